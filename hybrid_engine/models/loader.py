@@ -1,0 +1,181 @@
+"""Build a model from a HF checkpoint directory, a preset, or the embedded default.
+
+Checkpoints: `config.json` plus `model.safetensors` or a sharded set listed in
+`model.safetensors.index.json`. Names may use `backbone.` or `model.` prefixes, experts
+may be stored per expert or stacked. Every missing, unexpected or mis-shaped tensor is an
+error naming the key. `load_format="dummy"` gives seeded random weights of the real shapes.
+"""
+import json
+import logging
+import math
+import os
+from collections import defaultdict
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from hybrid_engine.models.base import PER_EXPERT_KEY, HybridForCausalLM
+from hybrid_engine.models.config import ConfigError, HybridConfig, parse_hf_config
+from hybrid_engine.models.registry import build_model
+from layers.mamba2 import Mamba2Mixer
+
+logger = logging.getLogger(__name__)
+
+LOAD_FORMATS = ("auto", "dummy")
+
+
+class CheckpointError(ValueError):
+    """The checkpoint's tensors do not match the model its config describes."""
+
+
+def read_config(path: str) -> dict:
+    """The parsed `config.json` of a checkpoint directory."""
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ConfigError(f"no config.json in checkpoint directory {path!r}")
+    try:
+        with open(config_path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{config_path} is not valid JSON: {e}") from None
+
+
+def _safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no 'weight_map' object")
+        return [os.path.join(path, shard) for shard in sorted(set(weight_map.values()))]
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {path!r}")
+
+
+def _iter_checkpoint(files: list[str]):
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+def _target_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers the checkpoint must provide."""
+    targets = dict(model.named_parameters())
+    persistent = set(model.state_dict().keys())
+    targets.update({n: b for n, b in model.named_buffers() if n in persistent})
+    return targets
+
+
+@torch.no_grad()
+def load_checkpoint_weights(model: HybridForCausalLM, path: str) -> None:
+    """Copy every checkpoint tensor into its parameter (converting dtype), checking coverage."""
+    targets = _target_tensors(model)
+    loaded: set[str] = set()
+    experts: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
+
+    def assign(name: str, tensor: torch.Tensor, source: str) -> None:
+        if name not in targets:
+            raise CheckpointError(f"unexpected weight {source!r} in checkpoint (no parameter {name!r} in the model)")
+        target = targets[name]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise CheckpointError(
+                f"weight {source!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)} for {name!r}"
+            )
+        target.copy_(tensor.to(target.dtype))
+        loaded.add(name)
+
+    for key, tensor in _iter_checkpoint(_safetensors_files(path)):
+        name = model.normalize_checkpoint_name(key)
+        if name is None:
+            continue
+        per_expert = PER_EXPERT_KEY.match(name)
+        if per_expert:
+            experts[f"{per_expert['prefix']}.{per_expert['name']}"][int(per_expert["index"])] = tensor
+        else:
+            assign(name, tensor, key)
+    for name, by_index in experts.items():
+        if sorted(by_index) != list(range(len(by_index))):
+            raise CheckpointError(f"experts of {name!r} are not numbered 0..N-1: found {sorted(by_index)}")
+        assign(name, torch.stack([by_index[i] for i in range(len(by_index))]), f"{name} (per-expert tensors)")
+
+    missing = sorted(set(targets) - loaded)
+    if missing == ["lm_head.weight"] and model.config.tie_word_embeddings:
+        model.tie_embeddings()
+    elif missing:
+        raise CheckpointError(f"checkpoint {path!r} is missing weight {missing[0]!r}" +
+                              (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+
+
+@torch.no_grad()
+def init_dummy_weights(model: HybridForCausalLM, seed: int) -> None:
+    """Seeded random weights of the real shapes, scaled like the models' own init."""
+    c: HybridConfig = model.config
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.ndim >= 2:
+            p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32) * 0.02)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            p.fill_(1.0)  # norm scales
+    for mixer in model.modules():
+        if isinstance(mixer, Mamba2Mixer):
+            heads = mixer.num_heads
+            mixer.A_log.copy_(torch.log(torch.arange(1, heads + 1, dtype=torch.float32, device=device)))
+            mixer.D.fill_(1.0)
+            u = torch.rand(heads, generator=gen, device=device)
+            dt = torch.exp(u * (math.log(c.time_step_max) - math.log(c.time_step_min)) + math.log(c.time_step_min))
+            dt = dt.clamp(min=1e-4)
+            mixer.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+            fan_in = mixer.conv1d.weight.shape[-1]
+            bound = 1.0 / math.sqrt(fan_in)
+            mixer.conv1d.weight.copy_((torch.rand(mixer.conv1d.weight.shape, generator=gen, device=device) * 2 - 1) * bound)
+    if c.tie_word_embeddings:
+        model.tie_embeddings()
+
+
+def _keep_fp32(model: nn.Module) -> None:
+    """Mamba's A_log / D / dt_bias and the router bias stay float32: tiny, precision-critical."""
+    for mixer in model.modules():
+        if isinstance(mixer, Mamba2Mixer):
+            for name in ("A_log", "D", "dt_bias"):
+                getattr(mixer, name).data = getattr(mixer, name).data.float()
+
+
+def create_model(config: HybridConfig, device: torch.device, dtype: torch.dtype) -> HybridForCausalLM:
+    """The model with uninitialized storage on `device` in `dtype`."""
+    with torch.device("meta"):
+        model = build_model(config)
+    model = model.to_empty(device=device).to(dtype)
+    _keep_fp32(model)
+    for module in model.modules():  # derived buffers are not in checkpoints: recompute them
+        if hasattr(module, "inv_freq"):
+            head_dim = module.inv_freq.shape[0] * 2
+            module.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    for name, buf in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buf.data = torch.zeros(buf.shape, dtype=torch.float32, device=device)
+    return model.eval()
+
+
+def load_model(
+    hf_config: dict, path: str | None, device: torch.device, dtype: torch.dtype, load_format: str = "auto",
+    seed: int = 0,
+) -> HybridForCausalLM:
+    """Parse the config, build the model and fill its weights from `path` or randomly."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    config = parse_hf_config(hf_config)
+    model = create_model(config, device, dtype)
+    if load_format == "dummy" or path is None:
+        init_dummy_weights(model, seed)
+    else:
+        load_checkpoint_weights(model, path)
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("loaded %s (%.1fM parameters, %s, %s)", config.architecture, n_params / 1e6, dtype, device)
+    return model

@@ -1,0 +1,50 @@
+"""Self-attention over a paged KV cache (GQA, optional RoPE)."""
+import torch
+from torch import nn
+
+from layers.forward_meta import ForwardMeta
+from layers.kernels import ops
+from layers.rotary import RotaryEmbedding
+
+
+class PagedAttention(nn.Module):
+    """q/k/v/o projections around paged causal attention.
+
+    The runner binds `kv_cache = (k_cache, v_cache)` once; the tensors keep their address
+    for the engine's lifetime (CUDA graphs replay against them).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        bias: bool = False,
+        rotary: RotaryEmbedding | None = None,
+    ):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.rotary = rotary
+        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.rotary is not None:
+            q, k = self.rotary(meta.positions, q, k)
+        k_cache, v_cache = self.kv_cache
+        kernels = ops()
+        kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale)
+        return self.o_proj(out.reshape(n, -1))

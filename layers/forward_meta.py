@@ -1,0 +1,35 @@
+"""What one forward step tells the layers about the packed batch.
+
+Row layout (fixed by the bookkeeping context in `cache/context.py`): the first
+`num_decode` sequences are decode rows with exactly one token each (tokens
+[0, num_decode)); the `num_prefill` prefill chunks follow, packed. Python ints here are
+the step's *shape* (they select kernels and sizes); every value the kernels read lives in
+the device tensors, mirrored from the CPU bookkeeping buffer by one copy per step.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardMeta:
+    """Device views of the step's metadata plus the host-known shape of the step."""
+
+    num_decode: int  # decode sequences (= decode tokens), first in the batch
+    num_prefill: int  # prefill-chunk sequences after them
+    num_tokens: int  # all tokens of the step (padded rows included)
+    max_seqlen_q: int  # longest query chunk this step
+    positions: torch.Tensor  # [T] int64 absolute position of each token
+    prompt_token_mask: torch.Tensor  # [T] bool: token is part of the prompt (Mamba dt limit applies)
+    slot_mapping: torch.Tensor  # [T] int64 KV cache slot of each token, -1 = don't write
+    cu_seqlens_q: torch.Tensor  # [S+1] int32 query starts of every sequence
+    prefill_cu_seqlens: torch.Tensor  # [P+1] int32 query starts of the prefill chunks, from 0
+    seq_lens: torch.Tensor  # [S] int32 keys per sequence after this step (0 = padding row)
+    block_tables: torch.Tensor  # [S, max_blocks] int32 KV blocks of each sequence
+    mamba_src: torch.Tensor  # [S] int64 state slot each sequence reads (-1 = padding)
+    mamba_dst: torch.Tensor  # [S] int64 state slot each sequence writes
+    logits_indices: torch.Tensor  # [S] int64 token whose hidden state feeds sampling
+
+    @property
+    def num_seqs(self) -> int:
+        return self.num_decode + self.num_prefill

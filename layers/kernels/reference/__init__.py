@@ -1,0 +1,20 @@
+"""Plain-torch reference ops (CPU and GPU): the oracle every fast kernel is tested against."""
+from layers.kernels.reference.attention import paged_attention, write_kv_cache
+from layers.kernels.reference.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from layers.kernels.reference.moe import moe_experts, route_sigmoid_grouped, route_softmax_topk
+from layers.kernels.reference.norm import gated_rms_norm, rms_norm
+from layers.kernels.reference.ssd import ssd_chunk_scan_varlen, ssm_state_update
+
+__all__ = [
+    "causal_conv1d_update",
+    "causal_conv1d_varlen",
+    "gated_rms_norm",
+    "moe_experts",
+    "paged_attention",
+    "rms_norm",
+    "route_sigmoid_grouped",
+    "route_softmax_topk",
+    "ssd_chunk_scan_varlen",
+    "ssm_state_update",
+    "write_kv_cache",
+]

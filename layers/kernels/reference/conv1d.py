@@ -1,0 +1,79 @@
+"""Depthwise causal conv1d over packed sequences with per-sequence state slots (reference).
+
+Conv state layout: `conv_states[slot] = [D, K-1]`, the last K-1 inputs of the sequence
+(oldest first), exactly what mamba-ssm / causal-conv1d keep. Each sequence reads its
+initial state from `src_slots[s]` and writes its final state to `dst_slots[s]`; the two
+may differ (ping-pong rollback) or be equal (in-place). Slot -1 marks a padding row that
+must not touch any state.
+"""
+import torch
+import torch.nn.functional as F
+
+
+def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation is None:
+        return y
+    if activation in ("silu", "swish"):
+        return F.silu(y)
+    raise ValueError(f"unsupported conv activation: {activation!r}")
+
+
+def causal_conv1d_varlen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_states: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """Causal conv over packed sequences (prefill chunks) continuing from saved state.
+
+    x: [T, D] packed tokens; weight: [D, K]; bias: [D] or None; conv_states: [slots, D, K-1];
+    cu_seqlens: [S+1]; src_slots / dst_slots: [S]. Returns y: [T, D] in x's dtype.
+    """
+    k = weight.shape[1]
+    out = torch.empty_like(x)
+    bounds = cu_seqlens.tolist()
+    src, dst = src_slots.tolist(), dst_slots.tolist()
+    new_states = []
+    for s in range(len(bounds) - 1):
+        lo, hi = bounds[s], bounds[s + 1]
+        if src[s] < 0:
+            continue
+        history = conv_states[src[s]].to(x.dtype)  # [D, K-1]
+        seq = torch.cat([history, x[lo:hi].t()], dim=1)  # [D, K-1+L]
+        y = F.conv1d(seq.unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), bias, groups=weight.shape[0])[0]
+        out[lo:hi] = _activate(y, activation).t().to(x.dtype)
+        new_states.append((dst[s], seq[:, -(k - 1):]))
+    # States are written after all reads so src == dst of another row can never be clobbered.
+    for slot, state in new_states:
+        conv_states[slot] = state.to(conv_states.dtype)
+    return out
+
+
+def causal_conv1d_update(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_states: torch.Tensor,
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """One decode token per row: y = conv(state ++ x), state <- last K-1 inputs.
+
+    x: [B, D]; rows whose src slot is -1 are padding (output zeros, no state touched).
+    """
+    valid = src_slots >= 0
+    src = src_slots.clamp(min=0)
+    history = conv_states[src].to(x.dtype)  # [B, D, K-1]
+    seq = torch.cat([history, x.unsqueeze(-1)], dim=-1)  # [B, D, K]
+    y = (seq.to(weight.dtype) * weight.unsqueeze(0)).sum(-1)
+    if bias is not None:
+        y = y + bias
+    y = _activate(y, activation).to(x.dtype)
+    rows = valid.nonzero().flatten()
+    conv_states[dst_slots[rows]] = seq[rows, :, 1:].to(conv_states.dtype)
+    return torch.where(valid.unsqueeze(-1), y, torch.zeros_like(y))

@@ -1,0 +1,71 @@
+"""Mixture-of-experts routing (both router kinds) and expert compute (reference)."""
+import torch
+import torch.nn.functional as F
+
+
+def route_sigmoid_grouped(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NemotronH / DeepSeek-V3 router: sigmoid scores, group-limited top-k.
+
+    The correction bias only steers which experts are chosen; the weights are the raw
+    sigmoid scores of the chosen experts (optionally renormalized), times the scaling factor.
+    router_logits: [T, E] float32. Returns (weights [T, k] float32, expert ids [T, k] int64).
+    """
+    n_tokens, n_experts = router_logits.shape
+    scores = router_logits.sigmoid()
+    choice = scores + correction_bias.float()
+    per_group = choice.view(n_tokens, n_group, n_experts // n_group)
+    group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1)[0].sum(dim=-1)
+    group_idx = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+    expert_mask = group_mask.unsqueeze(-1).expand_as(per_group).reshape(n_tokens, n_experts)
+    choice = choice.masked_fill(expert_mask == 0, float("-inf"))
+    ids = choice.topk(top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+def route_softmax_topk(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Granite / Mixtral router: top-k of the logits, softmax over the chosen k."""
+    top_logits, ids = router_logits.float().topk(top_k, dim=-1)
+    return torch.softmax(top_logits, dim=-1), ids
+
+
+def _expert_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "relu2":
+        return torch.square(F.relu(h))
+    if activation == "swiglu":
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    raise ValueError(f"unsupported expert activation: {activation!r}")
+
+
+def moe_experts(
+    x: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str,
+) -> torch.Tensor:
+    """Weighted sum of each token's chosen experts: sum_k w_k * down_e(act(up_e(x))).
+
+    x: [T, H]; w_up: [E, I or 2I (swiglu: gate then up), H]; w_down: [E, H, I];
+    topk_weights / topk_ids: [T, k]. Accumulates in float32, returns x's dtype.
+    """
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for expert in topk_ids.unique().tolist():
+        token_idx, k_idx = (topk_ids == expert).nonzero(as_tuple=True)
+        h = _expert_activation(F.linear(x[token_idx], w_up[expert]), activation)
+        h = F.linear(h, w_down[expert]) * topk_weights[token_idx, k_idx, None].to(h.dtype)
+        out.index_add_(0, token_idx, h.float())
+    return out.to(x.dtype)

@@ -1,0 +1,128 @@
+"""Mamba-2 SSD (state space duality) scan and single-token state update (reference).
+
+Shapes: H heads of P channels, G groups of B/C of state size N (heads share B/C within a
+group), SSM state [H, P, N] kept in float32. `dt` arrives already processed
+(softplus(dt + dt_bias), clamped for prompt tokens) so the clamping policy stays with the
+model and the kernels stay policy-free.
+
+Recurrence per head h (what both forms compute):
+    state_t = exp(dt_t * A_h) * state_{t-1} + dt_t * x_t (outer) B_t
+    y_t     = state_t . C_t + D_h * x_t
+"""
+import torch
+import torch.nn.functional as F
+
+
+def _segsum(a: torch.Tensor) -> torch.Tensor:
+    """out[..., i, j] = sum(a[..., j+1 : i+1]) for i >= j, -inf above the diagonal."""
+    t = a.shape[-1]
+    expanded = a.unsqueeze(-1).expand(*a.shape, t)  # [..., i(k), j]
+    below = torch.tril(torch.ones(t, t, dtype=torch.bool, device=a.device), diagonal=-1)
+    summed = torch.cumsum(expanded.masked_fill(~below, 0), dim=-2)
+    keep = torch.tril(torch.ones(t, t, dtype=torch.bool, device=a.device), diagonal=0)
+    return summed.masked_fill(~keep, float("-inf"))
+
+
+def _ssd_one_sequence(
+    x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+    initial_state: torch.Tensor, chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked SSD for one sequence. x [L,H,P], dt [L,H], a [H], b/c [L,H,N], state [H,P,N]."""
+    length = x.shape[0]
+    pad = (-length) % chunk_size
+    xdt = F.pad(x * dt.unsqueeze(-1), (0, 0, 0, 0, 0, pad))
+    adt = F.pad(dt * a, (0, 0, 0, pad))  # padded steps have dt = 0: no decay, no input
+    b, c = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (b, c))
+    n_chunks = (length + pad) // chunk_size
+    xdt, b, c = (t.reshape(n_chunks, chunk_size, *t.shape[1:]) for t in (xdt, b, c))
+    adt = adt.reshape(n_chunks, chunk_size, -1).permute(2, 0, 1)  # [H, c, l]
+    a_cum = torch.cumsum(adt, dim=-1)
+
+    # Intra-chunk (diagonal blocks): attention-like with a decaying causal mask.
+    decay = torch.exp(_segsum(adt))  # [H, c, l, s]
+    y_diag = torch.einsum("clhn,cshn,hcls,cshp->clhp", c, b, decay, xdt)
+
+    # State each chunk contributes at its own end, then the inter-chunk recurrence.
+    decay_to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [H, c, l]
+    chunk_states = torch.einsum("clhn,hcl,clhp->chpn", b, decay_to_end, xdt)
+    states = torch.cat([initial_state.unsqueeze(0), chunk_states], dim=0)  # [c+1, H, P, N]
+    chunk_decay = torch.exp(_segsum(F.pad(a_cum[..., -1], (1, 0))))  # [H, c+1, c+1]
+    states = torch.einsum("hzc,chpn->zhpn", chunk_decay, states)
+    start_states, final_state = states[:-1], states[-1]
+
+    # Contribution of the state entering each chunk (off-diagonal blocks).
+    y_off = torch.einsum("clhn,chpn,hcl->clhp", c, start_states, torch.exp(a_cum))
+    y = (y_diag + y_off).reshape(n_chunks * chunk_size, *x.shape[1:])[:length]
+    return y, final_state
+
+
+def ssd_chunk_scan_varlen(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    ssm_states: torch.Tensor,
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+    chunk_size: int,
+) -> torch.Tensor:
+    """Chunked SSD over packed variable-length sequences (prefill chunks).
+
+    x: [T, H, P]; dt: [T, H] float32 (processed); A, D: [H]; B, C: [T, G, N];
+    cu_seqlens: [S+1]; ssm_states: [slots, H, P, N] float32; each sequence starts from
+    `ssm_states[src_slots[s]]` and its final state goes to `ssm_states[dst_slots[s]]`.
+    Returns y: [T, H, P] in x's dtype (D skip included, gate not applied).
+    """
+    heads = x.shape[1]
+    rep = heads // B.shape[1]
+    out = torch.empty_like(x)
+    bounds = cu_seqlens.tolist()
+    src, dst = src_slots.tolist(), dst_slots.tolist()
+    finals = []
+    for s in range(len(bounds) - 1):
+        lo, hi = bounds[s], bounds[s + 1]
+        if src[s] < 0:
+            continue
+        xs = x[lo:hi].float()
+        bs = B[lo:hi].float().repeat_interleave(rep, dim=1)
+        cs = C[lo:hi].float().repeat_interleave(rep, dim=1)
+        y, final = _ssd_one_sequence(xs, dt[lo:hi].float(), A.float(), bs, cs, ssm_states[src[s]].float(), chunk_size)
+        out[lo:hi] = (y + D.float()[:, None] * xs).to(x.dtype)
+        finals.append((dst[s], final))
+    for slot, state in finals:  # after all reads: a dst may be another row's src
+        ssm_states[slot] = state.to(ssm_states.dtype)
+    return out
+
+
+def ssm_state_update(
+    ssm_states: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+) -> torch.Tensor:
+    """One decode token per row: read state at src slot, write the new state at dst slot.
+
+    x: [B, H, P]; dt: [B, H] float32 (processed); B, C: [B, G, N]; rows with src slot -1 are
+    padding (output zeros, no state read or written). Returns y: [B, H, P] in x's dtype.
+    """
+    valid = src_slots >= 0
+    heads = x.shape[1]
+    rep = heads // B.shape[1]
+    state = ssm_states[src_slots.clamp(min=0)].float()  # [B, H, P, N]
+    xf, dtf = x.float(), dt.float()
+    bh = B.float().repeat_interleave(rep, dim=1)  # [B, H, N]
+    ch = C.float().repeat_interleave(rep, dim=1)
+    decay = torch.exp(dtf * A.float())[..., None, None]
+    state = state * decay + (dtf[..., None] * xf)[..., None] * bh[:, :, None, :]
+    y = torch.einsum("bhpn,bhn->bhp", state, ch) + D.float()[:, None] * xf
+    rows = valid.nonzero().flatten()
+    ssm_states[dst_slots[rows]] = state[rows].to(ssm_states.dtype)
+    return torch.where(valid[:, None, None], y, torch.zeros_like(y)).to(x.dtype)

@@ -1,0 +1,95 @@
+"""Mamba-2 mixer over per-request conv/SSM state slots.
+
+Semantics follow mamba-ssm and transformers: in_proj -> (z, xBC, dt); depthwise causal
+conv + SiLU over xBC; dt = softplus(dt + dt_bias); A = -exp(A_log); SSD scan with groups
+and D skip; gated group RMSNorm (norm after gating); out_proj. Decode rows (one token,
+state carried) take the recurrent update, prefill chunks the chunked scan; both read the
+state at `mamba_src` and write it at `mamba_dst`.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from layers.forward_meta import ForwardMeta
+from layers.kernels import ops
+
+
+class Mamba2Mixer(nn.Module):
+    """One Mamba-2 layer; the runner binds `conv_state` and `ssm_state` (slot pools)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int,
+        n_groups: int,
+        state_size: int,
+        conv_kernel: int,
+        chunk_size: int,
+        dt_limit: tuple[float, float],
+        norm_eps: float,
+        use_conv_bias: bool = True,
+        proj_bias: bool = False,
+    ):
+        super().__init__()
+        if num_heads % n_groups:
+            raise ValueError(f"mamba heads ({num_heads}) must be a multiple of n_groups ({n_groups})")
+        self.num_heads, self.head_dim, self.n_groups, self.state_size = num_heads, head_dim, n_groups, state_size
+        self.d_ssm = num_heads * head_dim
+        self.conv_dim = self.d_ssm + 2 * n_groups * state_size
+        self.chunk_size = chunk_size
+        # Applied to prompt tokens only: transformers clamps dt in its chunked (prefill)
+        # scan and not in its recurrent (decode) update; mamba-ssm does the same.
+        self.dt_limit = dt_limit
+        self.norm_eps = norm_eps
+        self.in_proj = nn.Linear(hidden_size, self.d_ssm + self.conv_dim + num_heads, bias=proj_bias)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=use_conv_bias)
+        self.dt_bias = nn.Parameter(torch.ones(num_heads))
+        self.A_log = nn.Parameter(torch.zeros(num_heads))
+        self.D = nn.Parameter(torch.ones(num_heads))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(self.d_ssm))
+        self.out_proj = nn.Linear(self.d_ssm, hidden_size, bias=proj_bias)
+        self.conv_state: torch.Tensor | None = None  # [slots, conv_dim, K-1]
+        self.ssm_state: torch.Tensor | None = None  # [slots, heads, head_dim, state] float32
+
+    def _process_dt(self, dt: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        lo, hi = self.dt_limit
+        if lo > 0.0 or hi != float("inf"):
+            dt = torch.where(prompt_mask[:, None], dt.clamp(lo, hi), dt)
+        return dt
+
+    def forward(self, x: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
+        kernels = ops()
+        zxbcdt = self.in_proj(x)
+        z, xbc, dt = zxbcdt.split([self.d_ssm, self.conv_dim, self.num_heads], dim=-1)
+        dt = self._process_dt(dt, meta.prompt_token_mask)
+        a = -torch.exp(self.A_log.float())
+        weight = self.conv1d.weight.squeeze(1)
+        nd = meta.num_decode
+        ys = []
+        if nd:
+            src, dst = meta.mamba_src[:nd], meta.mamba_dst[:nd]
+            xbc_d = kernels.causal_conv1d_update(xbc[:nd], weight, self.conv1d.bias, self.conv_state, src, dst)
+            xs, b, c = self._split_xbc(xbc_d)
+            ys.append(kernels.ssm_state_update(self.ssm_state, xs, dt[:nd], a, b, c, self.D, src, dst))
+        if meta.num_prefill:
+            src, dst = meta.mamba_src[nd:meta.num_seqs], meta.mamba_dst[nd:meta.num_seqs]
+            cu = meta.prefill_cu_seqlens
+            xbc_p = kernels.causal_conv1d_varlen(xbc[nd:], weight, self.conv1d.bias, self.conv_state, cu, src, dst)
+            xs, b, c = self._split_xbc(xbc_p)
+            ys.append(
+                kernels.ssd_chunk_scan_varlen(xs, dt[nd:], a, b, c, self.D, cu, self.ssm_state, src, dst, self.chunk_size)
+            )
+        y = torch.cat(ys) if len(ys) > 1 else ys[0]
+        y = kernels.gated_rms_norm(y.reshape(x.shape[0], self.d_ssm), z, self.norm.weight, self.norm_eps,
+                                   self.d_ssm // self.n_groups)
+        return self.out_proj(y.to(x.dtype))
+
+    def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = xbc.shape[0]
+        gs = self.n_groups * self.state_size
+        xs, b, c = xbc.split([self.d_ssm, gs, gs], dim=-1)
+        return (xs.reshape(n, self.num_heads, self.head_dim), b.reshape(n, self.n_groups, self.state_size),
+                c.reshape(n, self.n_groups, self.state_size))
