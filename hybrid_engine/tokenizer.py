@@ -1,0 +1,126 @@
+"""Tokenizer construction and loading for the engine.
+
+Two sources of tokenizers exist:
+
+* ``build_byte_tokenizer`` builds, in process, the byte-level tokenizer that goes
+  with the engine's embedded tiny default model, so that model can serve text
+  prompts without any files or network access.
+* ``load_tokenizer`` loads the tokenizer shipped inside a local checkpoint
+  directory, or reports that there is none (such checkpoints take token-id prompts
+  only).
+"""
+
+from __future__ import annotations
+
+import os
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+PAD_TOKEN = "<|pad|>"
+BOS_TOKEN = "<|bos|>"
+EOS_TOKEN = "<|eos|>"
+IM_START_TOKEN = "<|im_start|>"
+IM_END_TOKEN = "<|im_end|>"
+
+# Byte tokens occupy ids 0..255 (id == byte value); the special tokens follow in
+# this order, so their ids are fixed and the embedded model can rely on them.
+PAD_ID = 256
+BOS_ID = 257
+EOS_ID = 258
+IM_START_ID = 259
+IM_END_ID = 260
+BYTE_TOKENIZER_VOCAB_SIZE = 261
+
+# ChatML: "<|im_start|>role\ncontent<|im_end|>\n" per message. Content may also be
+# an OpenAI-style list of parts, of which only the text parts are rendered.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Files whose presence means a checkpoint directory ships a tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _gpt2_bytes_to_unicode() -> dict[int, str]:
+    """Return GPT-2's byte -> printable unicode character table.
+
+    This is the alphabet the ``tokenizers`` ByteLevel pre-tokenizer/decoder use;
+    it is rebuilt here (rather than taken from ``ByteLevel.alphabet()``, which is
+    unordered) because token id i must be byte i.
+    """
+    # Printable Latin-1 bytes map to themselves; the rest are shifted past 255 so
+    # that every token is a visible, non-whitespace character.
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    table = {b: chr(b) for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + shifted)
+            shifted += 1
+    return table
+
+
+def build_byte_tokenizer() -> PreTrainedTokenizerFast:
+    """Build the deterministic byte-level tokenizer of the embedded default model.
+
+    Every UTF-8 byte is one token (id == byte value, no merges), followed by the
+    special tokens ``<|pad|>``, ``<|bos|>``, ``<|eos|>``, ``<|im_start|>`` and
+    ``<|im_end|>`` (ids 256..260). Encoding never adds a BOS token; the tokenizer
+    carries a ChatML chat template.
+    """
+    byte_to_char = _gpt2_bytes_to_unicode()
+    vocab = {byte_to_char[b]: b for b in range(256)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    # No regex splitting: with no merges, pre-token boundaries cannot change the
+    # output, so splitting would only cost time.
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    # Added in id order, so they land at PAD_ID..IM_END_ID.
+    backend.add_special_tokens([PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN])
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=PAD_TOKEN,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        additional_special_tokens=[IM_START_TOKEN, IM_END_TOKEN],
+        add_bos_token=False,
+        add_eos_token=False,
+        # Byte tokens decode exactly; the default clean-up would rewrite " ." etc.
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
+    """Load the tokenizer of the local checkpoint directory ``path``.
+
+    Returns None when the directory holds none of the tokenizer files
+    (``TOKENIZER_FILES``): such checkpoints are served with token-id prompts only.
+    Never touches the network. Raises ``NotADirectoryError`` if ``path`` is not a
+    directory and ``RuntimeError`` if tokenizer files exist but cannot be loaded.
+    """
+    if not os.path.isdir(path):
+        raise NotADirectoryError(f"checkpoint path is not a directory: {path!r}")
+    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:
+        # Re-raise with the path: transformers' errors often only name a file or a
+        # hub repo id, which is misleading for a local checkpoint.
+        raise RuntimeError(f"failed to load the tokenizer in {path!r}: {exc}") from exc
