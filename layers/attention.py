@@ -46,5 +46,6 @@ class PagedAttention(nn.Module):
         k_cache, v_cache = self.kv_cache
         kernels = ops()
         kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale)
+        out = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale,
+                                      max_seqlen_q=meta.max_seqlen_q, num_decode=meta.num_decode)
         return self.o_proj(out.reshape(n, -1))

@@ -25,8 +25,14 @@ def paged_attention(
     seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     scale: float,
+    max_seqlen_q: int | None = None,
+    num_decode: int = 0,
 ) -> torch.Tensor:
     """Causal attention; query i of sequence s sits at position seq_len - q_len + i.
+
+    `max_seqlen_q` (longest query chunk) and `num_decode` (leading one-token sequences)
+    are host-known shape hints that fast kernels size their grids with; this reference
+    derives everything from the tensors and ignores them.
 
     q: [T, H, Dh]; block_tables: [S, max_blocks]; seq_lens: [S] keys per sequence after this
     step's tokens were written; cu_seqlens_q: [S+1]. Covers decode (q_len 1), prefill and

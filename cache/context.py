@@ -1,0 +1,106 @@
+"""The per-step bookkeeping buffer: CPU source of truth, mirrored to the device in one copy.
+
+Every per-token and per-sequence field a step needs lives at a fixed offset of ONE pinned
+CPU byte buffer; `sync()` copies it into ONE device buffer of the same layout, and the
+forward pass reads only the device views. Fields are laid out widest dtype first, so every
+offset is aligned without padding.
+
+Row layout (the scheduler's order): sequences [0, num_decode) are decode rows (one token
+each, tokens [0, num_decode)); prefill chunks follow, packed, in tokens
+[num_decode, num_tokens). Rows past the step's count are stale and never read.
+
+| field               | dtype   | shape      | meaning                                         |
+|---------------------|---------|------------|-------------------------------------------------|
+| input_ids           | int64   | [T]        | token fed at each position                      |
+| positions           | int64   | [T]        | absolute position of each token                 |
+| slot_mapping        | int64   | [T]        | KV cache slot (block * block_size + offset)     |
+| mamba_src/mamba_dst | int64   | [S]        | state slot a sequence reads / writes            |
+| logits_indices      | int64   | [S]        | token whose hidden state is sampled             |
+| seeds, output_pos   | int64   | [S]        | sampling noise key (seed, output index)         |
+| history_rows        | int64   | [S]        | row of the token-history table (penalties)      |
+| prompt_lens, history_lens | int64 | [S]    | prompt length / tokens known (penalties)        |
+| cu_seqlens_q        | int32   | [S+1]      | query starts of every sequence                  |
+| prefill_cu_seqlens  | int32   | [S+1]      | query starts of the prefill chunks, from 0      |
+| seq_lens            | int32   | [S]        | keys per sequence after this step               |
+| block_tables        | int32   | [S, MB]    | KV block ids of each sequence                   |
+| top_k               | int32   | [S]        | sampling                                        |
+| temperature, top_p, min_p, repetition/presence/frequency_penalty | float32 | [S] | sampling |
+| prompt_token_mask   | bool    | [T]        | token belongs to the prompt (Mamba dt limit)    |
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class _Field:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def _fields(max_tokens: int, max_seqs: int, max_blocks: int) -> list[_Field]:
+    t, s = (max_tokens,), (max_seqs,)
+    i64 = ["input_ids", "positions", "slot_mapping"]
+    s64 = ["mamba_src", "mamba_dst", "logits_indices", "seeds", "output_pos", "history_rows", "prompt_lens",
+           "history_lens"]
+    f32 = ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"]
+    return (
+        [_Field(n, torch.int64, t) for n in i64]
+        + [_Field(n, torch.int64, s) for n in s64]
+        + [_Field("cu_seqlens_q", torch.int32, (max_seqs + 1,)), _Field("prefill_cu_seqlens", torch.int32, (max_seqs + 1,)),
+           _Field("seq_lens", torch.int32, s), _Field("block_tables", torch.int32, (max_seqs, max_blocks)),
+           _Field("top_k", torch.int32, s)]
+        + [_Field(n, torch.float32, s) for n in f32]
+        + [_Field("prompt_token_mask", torch.bool, t)]
+    )
+
+
+def _views(buffer: torch.Tensor, fields: list[_Field]) -> dict[str, torch.Tensor]:
+    views, offset = {}, 0
+    for f in fields:
+        itemsize = torch.empty((), dtype=f.dtype).element_size()
+        numel = 1
+        for d in f.shape:
+            numel *= d
+        views[f.name] = buffer[offset: offset + numel * itemsize].view(f.dtype).view(f.shape)
+        offset += numel * itemsize
+    return views
+
+
+def _layout_bytes(fields: list[_Field]) -> int:
+    total = 0
+    for f in fields:
+        numel = 1
+        for d in f.shape:
+            numel *= d
+        total += numel * torch.empty((), dtype=f.dtype).element_size()
+    return total
+
+
+class StepBuffer:
+    """One pinned host buffer + one device buffer with identical typed views.
+
+    `host[name]` is written by the CPU bookkeeping; `device[name]` is what kernels read.
+    `num_syncs` counts host-to-device copies (the one-copy-per-step invariant is tested).
+    """
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device):
+        self.max_tokens, self.max_seqs, self.max_blocks_per_seq = max_tokens, max_seqs, max_blocks_per_seq
+        fields = _fields(max_tokens, max_seqs, max_blocks_per_seq)
+        nbytes = _layout_bytes(fields)
+        pin = device.type == "cuda"
+        self._host_bytes = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self._device_bytes = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.host = _views(self._host_bytes, fields)
+        self.device = _views(self._device_bytes, fields)
+        self.num_syncs = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._host_bytes.numel()
+
+    def sync(self) -> None:
+        """Mirror the host buffer into the device buffer: the step's single H2D copy."""
+        self._device_bytes.copy_(self._host_bytes, non_blocking=True)
+        self.num_syncs += 1
