@@ -1,0 +1,64 @@
+"""Engine settings (the `LLM(...)` keyword arguments) and their device-dependent defaults."""
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "auto": None}
+
+
+@dataclass
+class EngineConfig:
+    """Everything `LLMEngine` is built from; `None` fields get a default for the device."""
+
+    model: str | None = None
+    device: str | None = None  # default: "cuda" when available, else "cpu"
+    dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU
+    async_scheduling: bool = True
+    cuda_graphs: bool = True
+    max_num_seqs: int | None = None  # default: 256 on CUDA, 16 on CPU
+    max_num_batched_tokens: int | None = None  # default: max(2048, max_num_seqs)
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    kv_block_size: int | None = None  # default: 64 on CUDA, 16 on CPU
+    num_kv_blocks: int | None = None  # default: sized from gpu_memory_utilization (CPU: enough for all seqs)
+    gpu_memory_utilization: float = 0.9
+    seed: int = 0
+    load_format: str = "auto"
+    inject_rejection_rate: float = 0.0
+
+    def resolve(self) -> "EngineConfig":
+        """Validate and fill device-dependent defaults (raises ValueError naming the field)."""
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.device(device).type not in ("cuda", "cpu"):
+            raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but no CUDA device is available")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        on_gpu = torch.device(device).type == "cuda"
+        max_num_seqs = self.max_num_seqs or (256 if on_gpu else 16)
+        resolved = EngineConfig(
+            **{**self.__dict__,
+               "device": device,
+               "dtype": self.dtype if self.dtype != "auto" else ("bfloat16" if on_gpu else "float32"),
+               "cuda_graphs": self.cuda_graphs and on_gpu,
+               "max_num_seqs": max_num_seqs,
+               "max_num_batched_tokens": self.max_num_batched_tokens or max(2048, max_num_seqs),
+               "kv_block_size": self.kv_block_size or (64 if on_gpu else 16)}
+        )
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_block_size"):
+            value = getattr(resolved, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if resolved.max_num_batched_tokens < resolved.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every decode row needs a token)")
+        if resolved.num_kv_blocks is not None and resolved.num_kv_blocks <= 0:
+            raise ValueError(f"num_kv_blocks must be positive, got {resolved.num_kv_blocks}")
+        if not 0.0 < resolved.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {resolved.gpu_memory_utilization}")
+        if not 0.0 <= resolved.inject_rejection_rate <= 1.0:
+            raise ValueError(f"inject_rejection_rate must be in [0, 1], got {resolved.inject_rejection_rate}")
+        return resolved
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,268 @@
+"""LLMEngine: requests in, one batched step at a time, outputs out.
+
+Each `step()` is nano-vllm's three calls: `scheduler.schedule()` picks the batch,
+`runner.prepare` + `runner.launch` run it on the device, `_postprocess` appends the
+sampled tokens, detects finishes and frees resources. The CPU bookkeeping here is the
+single source of truth; the device only ever sees it through the runner's step buffer.
+"""
+import logging
+import os
+from typing import Any
+
+import torch
+
+from cache.kv_cache import KVBlockAllocator
+from cache.mamba_cache import MambaSlotAllocator
+from hybrid_engine.config import EngineConfig
+from hybrid_engine.detokenizer import IncrementalDetokenizer
+from hybrid_engine.models.embedded import EMBEDDED_CONFIG, EMBEDDED_MODEL_NAME, EMBEDDED_WEIGHT_SEED
+from hybrid_engine.models.loader import load_model, read_config
+from hybrid_engine.models.presets import get_preset
+from hybrid_engine.request import Request, RequestOutput, RequestStatus
+from hybrid_engine.runner import ModelRunner, StepSamples
+from hybrid_engine.sampling import derive_seed
+from hybrid_engine.sampling_params import SamplingParams
+from hybrid_engine.scheduler import Scheduler
+from hybrid_engine.tokenizer import build_byte_tokenizer, load_tokenizer
+from layers.kernels import select_backend
+
+logger = logging.getLogger(__name__)
+
+PRESET_PREFIX = "preset:"
+
+
+def _resolve_model(cfg: EngineConfig) -> tuple[dict, str | None, Any, str, int]:
+    """(hf config dict, weights path or None, tokenizer or None, display name, weight seed)."""
+    if cfg.model is None:
+        return EMBEDDED_CONFIG, None, build_byte_tokenizer(), EMBEDDED_MODEL_NAME, EMBEDDED_WEIGHT_SEED
+    if cfg.model.startswith(PRESET_PREFIX):
+        name = cfg.model[len(PRESET_PREFIX):]
+        if cfg.load_format != "dummy":
+            logger.info("preset %s has no weights on disk: using load_format='dummy'", name)
+        return get_preset(name), None, None, cfg.model, cfg.seed
+    if not os.path.isdir(cfg.model):
+        raise ValueError(f"model must be None, 'preset:NAME' or a checkpoint directory; {cfg.model!r} is not a directory")
+    path = None if cfg.load_format == "dummy" else cfg.model
+    return read_config(cfg.model), path, load_tokenizer(cfg.model), cfg.model, cfg.seed
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache and a Mamba state slot pool."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = cfg = config.resolve()
+        self.device = torch.device(cfg.device)
+        hf_config, path, self.tokenizer, self.model_name, weight_seed = _resolve_model(cfg)
+        self.kernels = select_backend(self.device)
+        self.model = load_model(hf_config, path, self.device, cfg.torch_dtype, cfg.load_format, weight_seed)
+        mc = self.model_config = self.model.config
+        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.eos_token_ids = frozenset(mc.eos_token_ids) | (
+            {self.tokenizer.eos_token_id} if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
+            else set()
+        )
+        max_num_seqs, num_blocks = self._size_pools()
+        self.kv = KVBlockAllocator(num_blocks, cfg.kv_block_size, len(mc.attention_layers), mc.num_kv_heads,
+                                   mc.head_dim, cfg.torch_dtype, self.device)
+        self.mamba = MambaSlotAllocator(max_num_seqs, len(mc.mamba_layers), mc.mamba_conv_dim, mc.conv_kernel - 1,
+                                        mc.mamba_num_heads, mc.mamba_head_dim, mc.ssm_state_size, cfg.torch_dtype,
+                                        self.device)
+        self.scheduler = Scheduler(self.kv, self.mamba, cfg.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv, self.mamba, cfg.max_num_batched_tokens, self.max_model_len,
+                                  self.device)
+        self.requests: dict[str, Request] = {}
+        self._aborted: list[Request] = []
+        self._seed_counter = 0
+        self._counters = dict(steps=0, launch_ahead_steps=0, rejected_launches=0, state_restores=0,
+                              prefill_tokens=0, decode_tokens=0)
+        logger.info(
+            "engine ready: model=%s device=%s dtype=%s kernels=%s capacity: %d concurrent requests, %d KV tokens "
+            "(%d blocks x %d)", self.model_name, self.device, cfg.dtype, self.kernels.name, max_num_seqs,
+            num_blocks * cfg.kv_block_size, num_blocks, cfg.kv_block_size,
+        )
+
+    # ---- sizing ----------------------------------------------------------------------
+    def _size_pools(self) -> tuple[int, int]:
+        """(max_num_seqs, num_kv_blocks): given values win; on CUDA the rest fills memory."""
+        cfg, mc = self.config, self.model_config
+        max_num_seqs = cfg.max_num_seqs
+        if cfg.num_kv_blocks is not None:
+            return max_num_seqs, cfg.num_kv_blocks
+        tokens_needed = max_num_seqs * self.max_model_len
+        if self.device.type != "cuda":
+            return max_num_seqs, -(-tokens_needed // cfg.kv_block_size)
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = free - (1.0 - cfg.gpu_memory_utilization) * total
+        seq_bytes = MambaSlotAllocator.bytes_per_seq(len(mc.mamba_layers), mc.mamba_conv_dim, mc.conv_kernel - 1,
+                                                     mc.mamba_num_heads, mc.mamba_head_dim, mc.ssm_state_size,
+                                                     cfg.torch_dtype)
+        # Activations of the largest step plus sampling scratch: a generous estimate.
+        width = max(mc.hidden_size * 4, mc.mamba_d_ssm * 2 + mc.mamba_conv_dim, mc.intermediate_size,
+                    mc.moe_intermediate_size * max(mc.top_k, 1))
+        reserve = cfg.max_num_batched_tokens * width * 4 * 6 + max_num_seqs * mc.vocab_size * 4 * 8 + (1 << 30)
+        block_bytes = KVBlockAllocator.bytes_per_block(cfg.kv_block_size, max(len(mc.attention_layers), 1),
+                                                       mc.num_kv_heads, mc.head_dim, cfg.torch_dtype)
+        left = budget - reserve - max_num_seqs * seq_bytes
+        if left < block_bytes * self.kv_blocks_floor():
+            raise ValueError(
+                f"not enough GPU memory for {max_num_seqs} Mamba state slots ({seq_bytes / 2**20:.1f} MiB each) and "
+                f"the KV cache: lower max_num_seqs or raise gpu_memory_utilization"
+            )
+        return max_num_seqs, min(int(left // block_bytes), -(-tokens_needed // cfg.kv_block_size))
+
+    def kv_blocks_floor(self) -> int:
+        """Fewest KV blocks worth running with: one full-length request."""
+        return -(-self.max_model_len // self.config.kv_block_size)
+
+    # ---- requests --------------------------------------------------------------------
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass token ids (a list of ints)")
+            ids = self.tokenizer.encode(prompt)
+            text = prompt
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids, text = list(prompt), None
+        else:
+            raise ValueError("prompt must be a string or a list of token ids (ints)")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad} is out of vocabulary (vocab_size {vocab})")
+        return text, ids
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | dict | None = None) -> None:
+        """Queue a request; invalid input raises ValueError naming the field and changes nothing."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, dict):
+            params = SamplingParams.from_dict(params)
+        elif not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams or a dict, got {type(params).__name__}")
+        text, ids = self._tokenize(prompt)
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
+                             f"maximum context length {self.max_model_len}")
+        if self.kv.blocks_for(total) > self.kv.num_blocks:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs "
+                             f"{self.kv.blocks_for(total)} KV blocks; the cache has {self.kv.num_blocks}")
+        if params.seed is not None:
+            seed = params.seed & ((1 << 63) - 1)
+        else:
+            seed = derive_seed(self.config.seed, self._seed_counter)
+            self._seed_counter += 1
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
+                                           stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+        elif params.stop:
+            raise ValueError("stop: stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        request = Request(request_id, text, ids, params, seed, eos, detok)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+
+    def abort_request(self, request_id: str) -> None:
+        """Finish a request with reason 'abort' (its final output comes from the next step)."""
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
+            return
+        self._finish(request, "abort")
+        self._aborted.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step --------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one batched step; returns the outputs of the requests that advanced or ended."""
+        outputs = [self._emit(r) for r in self._aborted]
+        self._aborted.clear()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        plan = self.runner.prepare(sched)
+        samples = self.runner.launch(plan).wait()
+        self._counters["steps"] += 1
+        self._counters["decode_tokens"] += plan.num_decode
+        self._counters["prefill_tokens"] += plan.num_tokens - plan.num_decode
+        outputs.extend(self._postprocess(plan.sched.chunks, samples))
+        return outputs
+
+    def _postprocess(self, chunks, samples: StepSamples) -> list[RequestOutput]:
+        outputs = []
+        for i, chunk in enumerate(chunks):
+            request = chunk.request
+            if request.finished:
+                continue
+            request.num_computed = chunk.start + chunk.num_tokens
+            if not chunk.samples:
+                continue
+            token = samples.token_ids[i]
+            request.output_token_ids.append(token)
+            request.pending_token_ids.append(token)
+            if request.logprobs is not None:
+                entry: dict[int, float] = {}
+                for token_id, logprob in samples.logprobs[i][: 1 + request.params.logprobs]:
+                    entry.setdefault(token_id, logprob)  # sampled token first, then the top-n
+                request.logprobs.append(entry)
+            reason = self._check_stop(request, token)
+            if reason is not None:
+                self._finish(request, reason)
+            outputs.append(self._emit(request))
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> str | None:
+        """Append the token's text and decide whether the request is done."""
+        params = request.params
+        if request.detokenizer is not None:
+            request.pending_text += request.detokenizer.add_tokens([token])
+            if request.detokenizer.stop_reason is not None:
+                request.stop_reason = request.detokenizer.stop_reason
+                return "stop"
+        if params.stop_token_ids and token in params.stop_token_ids:
+            request.stop_reason = token
+            return "stop"
+        if token in request.eos_token_ids:
+            return "stop"
+        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, request: Request, reason: str) -> None:
+        if request.detokenizer is not None and request.detokenizer.stop_reason is None:
+            request.pending_text += request.detokenizer.flush()
+        request.finish_reason = reason
+        self.scheduler.release(request)
+        request.status = RequestStatus.FINISHED
+
+    def _emit(self, request: Request) -> RequestOutput:
+        if request.finished:
+            self.requests.pop(request.request_id, None)
+        return request.make_output()
+
+    # ---- introspection ---------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        """Counters and pool occupancy (the keys ARCHITECTURE.md promises, and more)."""
+        s = self.scheduler
+        return {
+            **self._counters,
+            "pauses": s.num_pauses,
+            "evictions": s.num_evictions,
+            "h2d_copies": self.runner.buffer.num_syncs,
+            "running": sum(r.status is RequestStatus.RUNNING for r in s.running),
+            "paused": len(s.paused),
+            "waiting": len(s.waiting),
+            "free_kv_blocks": self.kv.num_free,
+            "total_kv_blocks": self.kv.num_blocks,
+            "free_mamba_slots": self.mamba.num_free,
+            "total_mamba_slots": self.mamba.max_num_seqs,
+        }

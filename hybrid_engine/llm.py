@@ -1,0 +1,64 @@
+"""The offline API: `LLM(...).generate(prompts, sampling_params)`."""
+import time
+from typing import Sequence
+
+from tqdm import tqdm
+
+from hybrid_engine.config import EngineConfig
+from hybrid_engine.engine import LLMEngine
+from hybrid_engine.request import RequestOutput
+from hybrid_engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Load a hybrid model once, then generate for batches of prompts.
+
+    `model=None` is the embedded tiny model, `"preset:NAME"` a published config with
+    random weights, anything else a HF checkpoint directory. The keyword arguments are
+    `EngineConfig`'s; `llm.engine` is the underlying `LLMEngine`.
+    """
+
+    def __init__(self, model: str | None = None, **engine_kwargs):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+        self._next_id = 0
+
+    def get_tokenizer(self):
+        """The model's tokenizer, or None for checkpoints without tokenizer files."""
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts")
+        ids = []
+        for prompt, params in zip(prompts, params_list):
+            request_id = f"generate-{self._next_id}"
+            self._next_id += 1
+            self.engine.add_request(request_id, prompt, params)
+            ids.append(request_id)
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
+        start, generated = time.perf_counter(), 0
+        with bar:
+            while len(finished) < len(ids):
+                for out in self.engine.step():
+                    generated += len(out.new_token_ids)
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+                bar.set_postfix(output_tok_s=f"{generated / max(time.perf_counter() - start, 1e-9):.1f}")
+        return [finished[i] for i in ids]

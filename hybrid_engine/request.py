@@ -1,0 +1,105 @@
+"""A request's life inside the engine, and what the engine hands back for it."""
+from dataclasses import dataclass, field
+from enum import Enum
+
+from hybrid_engine.detokenizer import IncrementalDetokenizer
+from hybrid_engine.sampling_params import SamplingParams
+
+
+class RequestStatus(Enum):
+    """WAITING (queued or evicted) -> RUNNING <-> PAUSED -> FINISHED."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PAUSED = "paused"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    """One request's state as returned by `LLM.generate` / `LLMEngine.step`.
+
+    `new_token_ids` / `new_text` hold what this step added (for streaming); the other
+    fields are cumulative. `logprobs[i]` maps token id -> logprob for output token i.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    text: str | None
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[dict[int, float]] | None = None
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    error: str | None = None
+
+
+@dataclass
+class Request:
+    """Engine-side request: tokens, progress, and the resources it holds."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # sampling noise key: the user's seed or one derived from the engine seed
+    eos_token_ids: frozenset[int]
+    detokenizer: IncrementalDetokenizer | None
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    # Tokens whose KV / Mamba state is committed; the next step feeds token `num_computed`.
+    num_computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+    seq_slot: int = -1  # request slot in the Mamba pool (also its token-history row)
+    state_parity: int = 0  # which of the slot's state copies is committed (ping-pong)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+    # Streaming deltas accumulated since the last output was emitted.
+    pending_token_ids: list[int] = field(default_factory=list)
+    pending_text: str = ""
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens: everything whose KV/state must eventually exist."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def is_decoding(self) -> bool:
+        """All tokens but the last generated one are computed: the next step feeds one token."""
+        return bool(self.output_token_ids) and self.num_computed == self.num_tokens - 1
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    def make_output(self) -> RequestOutput:
+        """Snapshot for the caller; takes (and clears) the pending streaming delta."""
+        out = RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            output_token_ids=list(self.output_token_ids),
+            text=None if self.detokenizer is None else self.detokenizer.text,
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            new_token_ids=self.pending_token_ids,
+            new_text=self.pending_text,
+            error=self.error,
+        )
+        self.pending_token_ids, self.pending_text = [], ""
+        return out

@@ -1,0 +1,234 @@
+"""Turns a scheduled batch into device work: step buffer -> forward -> sampling -> samples back.
+
+`prepare` writes every field of the step into the pinned host buffer and mirrors it with
+ONE copy; `launch` runs the forward and the sampler on the device and starts an
+asynchronous device-to-host copy of the samples guarded by an event; `StepHandle.wait`
+blocks on that event only. Serial mode calls the three back to back.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from cache.context import StepBuffer
+from cache.kv_cache import KVBlockAllocator
+from cache.mamba_cache import MambaSlotAllocator
+from hybrid_engine.models.base import HybridForCausalLM
+from hybrid_engine.request import Request
+from hybrid_engine.sampling import SamplingTensors, sample
+from hybrid_engine.scheduler import SchedulerOutput
+from layers.forward_meta import ForwardMeta
+
+
+@dataclass
+class StepPlan:
+    """Host-known shape and flags of a prepared step."""
+
+    sched: SchedulerOutput
+    num_decode: int
+    num_prefill: int
+    num_tokens: int
+    max_seqlen_q: int
+    num_logprobs: int  # -1: no row wants logprobs
+    all_greedy: bool
+    use_penalties: bool
+
+    @property
+    def num_seqs(self) -> int:
+        return self.num_decode + self.num_prefill
+
+
+@dataclass
+class StepSamples:
+    """What came back from the device for one step, one entry per scheduled sequence."""
+
+    token_ids: list[int]
+    logprobs: list[list[tuple[int, float]]] | None  # (token id, logprob): sampled first, then top-n
+
+
+class StepHandle:
+    """A launched step whose samples are on their way to the host."""
+
+    def __init__(self, plan: StepPlan, host_tokens: torch.Tensor, host_lp: torch.Tensor | None,
+                 host_lp_ids: torch.Tensor | None, event: torch.cuda.Event | None):
+        self.plan, self._tokens, self._lp, self._lp_ids, self._event = plan, host_tokens, host_lp, host_lp_ids, event
+
+    def wait(self) -> StepSamples:
+        """Block until the samples are on the host (the step's only host synchronization)."""
+        if self._event is not None:
+            self._event.synchronize()
+        n = self.plan.num_seqs
+        tokens = self._tokens[:n].tolist()
+        logprobs = None
+        if self._lp is not None:
+            ids, values = self._lp_ids[:n].tolist(), self._lp[:n].tolist()
+            logprobs = [list(zip(i, v)) for i, v in zip(ids, values)]
+        return StepSamples(tokens, logprobs)
+
+
+class ModelRunner:
+    """Owns the model, the cache pools' bindings and the step buffer."""
+
+    def __init__(self, model: HybridForCausalLM, kv: KVBlockAllocator, mamba: MambaSlotAllocator,
+                 max_num_batched_tokens: int, max_model_len: int, device: torch.device):
+        self.model, self.kv, self.mamba, self.device = model, kv, mamba, device
+        self.max_seqs = mamba.max_num_seqs
+        self.max_blocks_per_seq = kv.blocks_for(max_model_len)
+        self.buffer = StepBuffer(max_num_batched_tokens, self.max_seqs, self.max_blocks_per_seq, device)
+        for layer, (k, v) in zip(model.attention_layers(), kv.kv_caches):
+            layer.kv_cache = (k, v)
+        for i, mixer in enumerate(model.mamba_mixers()):
+            mixer.conv_state, mixer.ssm_state = mamba.layer_views(i)
+        # Host block table per request slot, grown incrementally (a step gathers its rows).
+        self._block_table = torch.zeros(self.max_seqs, self.max_blocks_per_seq, dtype=torch.int32)
+        self._block_table_len = [0] * self.max_seqs
+        self._block_table_owner: list[Request | None] = [None] * self.max_seqs
+        # Token history per request slot, written on device from each step's inputs
+        # (idempotent: position p always holds the same token), read for penalties.
+        self._history = torch.zeros(self.max_seqs, max_model_len, dtype=torch.int64, device=device)
+        pin = device.type == "cuda"
+        self._host_tokens = torch.zeros(self.max_seqs, dtype=torch.int64, pin_memory=pin)
+        self._host_lp = torch.zeros(self.max_seqs, 21, dtype=torch.float32, pin_memory=pin)
+        self._host_lp_ids = torch.zeros(self.max_seqs, 21, dtype=torch.int64, pin_memory=pin)
+
+    # ---- host side -------------------------------------------------------------------
+    def _state_slots(self, request: Request) -> tuple[int, int]:
+        """(read, write) state slots: equal in place; the other copy under ping-pong."""
+        base = request.seq_slot * self.mamba.copies
+        if self.mamba.copies == 1:
+            return base, base
+        return base + request.state_parity, base + 1 - request.state_parity
+
+    def _sync_block_table(self, request: Request) -> None:
+        slot = request.seq_slot
+        if self._block_table_owner[slot] is not request:
+            self._block_table_owner[slot], self._block_table_len[slot] = request, 0
+        known, blocks = self._block_table_len[slot], request.blocks
+        if len(blocks) > known:
+            self._block_table[slot, known:len(blocks)] = torch.tensor(blocks[known:], dtype=torch.int32)
+            self._block_table_len[slot] = len(blocks)
+
+    def prepare(self, sched: SchedulerOutput) -> StepPlan:
+        """Write the step into the host buffer and mirror it to the device (one copy)."""
+        h = self.buffer.host
+        chunks = sched.chunks
+        n_dec, n_seq = len(sched.decodes), len(chunks)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        prompt_mask: list[bool] = []
+        cu = [0]
+        src, dst = [], []
+        for c in chunks:
+            r = c.request
+            self._sync_block_table(r)
+            end = c.start + c.num_tokens
+            n_prompt = len(r.prompt_token_ids)
+            if c.start >= n_prompt:
+                input_ids.extend(r.output_token_ids[c.start - n_prompt:end - n_prompt])
+            else:
+                input_ids.extend(r.prompt_token_ids[c.start:min(end, n_prompt)])
+                input_ids.extend(r.output_token_ids[: max(end - n_prompt, 0)])
+            positions.extend(range(c.start, end))
+            prompt_mask.extend(p < n_prompt for p in range(c.start, end))
+            cu.append(cu[-1] + c.num_tokens)
+            s, d = self._state_slots(r)
+            src.append(s)
+            dst.append(d)
+        t = cu[-1]
+        slots = torch.tensor([c.request.seq_slot for c in chunks], dtype=torch.int64)
+        pos = torch.tensor(positions, dtype=torch.int64)
+        h["input_ids"][:t] = torch.tensor(input_ids, dtype=torch.int64)
+        h["positions"][:t] = pos
+        h["prompt_token_mask"][:t] = torch.tensor(prompt_mask, dtype=torch.bool)
+        token_seq = torch.repeat_interleave(torch.arange(n_seq), torch.tensor([c.num_tokens for c in chunks]))
+        bs = self.kv.block_size
+        token_slots = slots[token_seq]
+        h["slot_mapping"][:t] = self._block_table[token_slots, pos // bs].long() * bs + pos % bs
+        cu_t = torch.tensor(cu, dtype=torch.int32)
+        h["cu_seqlens_q"][: n_seq + 1] = cu_t
+        h["prefill_cu_seqlens"][: n_seq - n_dec + 1] = cu_t[n_dec:] - cu[n_dec]
+        h["seq_lens"][:n_seq] = torch.tensor([c.start + c.num_tokens for c in chunks], dtype=torch.int32)
+        h["block_tables"][:n_seq] = self._block_table[slots]
+        h["mamba_src"][:n_seq] = torch.tensor(src, dtype=torch.int64)
+        h["mamba_dst"][:n_seq] = torch.tensor(dst, dtype=torch.int64)
+        h["logits_indices"][:n_seq] = cu_t[1:].long() - 1
+        h["history_rows"][:n_seq] = slots
+        plan = self._write_sampling(sched, n_dec, t, max(c.num_tokens for c in chunks))
+        self.buffer.sync()
+        return plan
+
+    def _write_sampling(self, sched: SchedulerOutput, n_dec: int, n_tokens: int, max_q: int) -> StepPlan:
+        h = self.buffer.host
+        requests = [c.request for c in sched.chunks]
+        params = [r.params for r in requests]
+        n = len(requests)
+        h["temperature"][:n] = torch.tensor([p.temperature for p in params])
+        h["top_k"][:n] = torch.tensor([p.top_k for p in params], dtype=torch.int32)
+        h["top_p"][:n] = torch.tensor([p.top_p for p in params])
+        h["min_p"][:n] = torch.tensor([p.min_p for p in params])
+        h["repetition_penalty"][:n] = torch.tensor([p.repetition_penalty for p in params])
+        h["presence_penalty"][:n] = torch.tensor([p.presence_penalty for p in params])
+        h["frequency_penalty"][:n] = torch.tensor([p.frequency_penalty for p in params])
+        h["seeds"][:n] = torch.tensor([r.seed for r in requests], dtype=torch.int64)
+        h["output_pos"][:n] = torch.tensor([len(r.output_token_ids) for r in requests], dtype=torch.int64)
+        h["prompt_lens"][:n] = torch.tensor([len(r.prompt_token_ids) for r in requests], dtype=torch.int64)
+        h["history_lens"][:n] = h["seq_lens"][:n].long()
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        return StepPlan(
+            sched=sched, num_decode=n_dec, num_prefill=n - n_dec, num_tokens=n_tokens, max_seqlen_q=max_q,
+            num_logprobs=max(wanted) if wanted else -1,
+            all_greedy=all(p.greedy for p in params),
+            use_penalties=any(p.uses_penalties for p in params),
+        )
+
+    # ---- device side -----------------------------------------------------------------
+    def forward_meta(self, plan: StepPlan) -> ForwardMeta:
+        """Slices of the device views sized for this step."""
+        d, t, s = self.buffer.device, plan.num_tokens, plan.num_seqs
+        return ForwardMeta(
+            num_decode=plan.num_decode, num_prefill=plan.num_prefill, num_tokens=t, max_seqlen_q=plan.max_seqlen_q,
+            positions=d["positions"][:t], prompt_token_mask=d["prompt_token_mask"][:t],
+            slot_mapping=d["slot_mapping"][:t], cu_seqlens_q=d["cu_seqlens_q"][: s + 1],
+            prefill_cu_seqlens=d["prefill_cu_seqlens"][: plan.num_prefill + 1], seq_lens=d["seq_lens"][:s],
+            block_tables=d["block_tables"][:s], mamba_src=d["mamba_src"][:s], mamba_dst=d["mamba_dst"][:s],
+            logits_indices=d["logits_indices"][:s],
+        )
+
+    def _sampling_tensors(self, plan: StepPlan, meta: ForwardMeta, input_ids: torch.Tensor) -> SamplingTensors:
+        d, s = self.buffer.device, plan.num_seqs
+        history = prompt_len = history_len = None
+        if plan.use_penalties:
+            token_seq = torch.searchsorted(meta.cu_seqlens_q[1:], torch.arange(plan.num_tokens, device=self.device),
+                                           right=True)
+            rows = d["history_rows"][:s]
+            self._history[rows[token_seq], meta.positions] = input_ids
+            history, prompt_len, history_len = self._history[rows], d["prompt_lens"][:s], d["history_lens"][:s]
+        return SamplingTensors(
+            temperature=d["temperature"][:s], top_k=d["top_k"][:s], top_p=d["top_p"][:s], min_p=d["min_p"][:s],
+            repetition_penalty=d["repetition_penalty"][:s], presence_penalty=d["presence_penalty"][:s],
+            frequency_penalty=d["frequency_penalty"][:s], seed=d["seeds"][:s], output_pos=d["output_pos"][:s],
+            token_history=history, prompt_len=prompt_len, history_len=history_len,
+        )
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> StepHandle:
+        """Run forward + sampling for a prepared step; samples start copying to the host."""
+        self.mamba.zero_new_slots()
+        meta = self.forward_meta(plan)
+        input_ids = self.buffer.device["input_ids"][: plan.num_tokens]
+        hidden = self.model(input_ids, meta)
+        logits = self.model.compute_logits(hidden[meta.logits_indices])
+        out = sample(logits, self._sampling_tensors(plan, meta, input_ids), num_logprobs=plan.num_logprobs,
+                     all_greedy=plan.all_greedy, use_penalties=plan.use_penalties)
+        s = plan.num_seqs
+        self._host_tokens[:s].copy_(out.sampled_token_ids, non_blocking=True)
+        lp = lp_ids = None
+        if out.logprobs is not None:
+            k = out.logprobs.shape[1]
+            lp, lp_ids = self._host_lp[:, :k], self._host_lp_ids[:, :k]
+            lp[:s].copy_(out.logprobs, non_blocking=True)
+            lp_ids[:s].copy_(out.logprob_token_ids, non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return StepHandle(plan, self._host_tokens, lp, lp_ids, event)
