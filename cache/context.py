@@ -15,6 +15,8 @@ each, tokens [0, num_decode)); prefill chunks follow, packed, in tokens
 | positions           | int64   | [T]        | absolute position of each token                 |
 | slot_mapping        | int64   | [T]        | KV cache slot (block * block_size + offset)     |
 | mamba_src/mamba_dst | int64   | [S]        | state slot a sequence reads / writes            |
+| input_from_prev     | int64   | [S]        | decode row's input = previous step's sample at  |
+|                     |         |            | this row (launch-ahead), -1 = input_ids holds it |
 | logits_indices      | int64   | [S]        | token whose hidden state is sampled             |
 | seeds, output_pos   | int64   | [S]        | sampling noise key (seed, output index)         |
 | history_rows        | int64   | [S]        | row of the token-history table (penalties)      |
@@ -42,7 +44,7 @@ class _Field:
 def _fields(max_tokens: int, max_seqs: int, max_blocks: int) -> list[_Field]:
     t, s = (max_tokens,), (max_seqs,)
     i64 = ["input_ids", "positions", "slot_mapping"]
-    s64 = ["mamba_src", "mamba_dst", "logits_indices", "seeds", "output_pos", "history_rows", "prompt_lens",
+    s64 = ["mamba_src", "mamba_dst", "input_from_prev", "logits_indices", "seeds", "output_pos", "history_rows", "prompt_lens",
            "history_lens"]
     f32 = ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"]
     return (
@@ -79,10 +81,14 @@ def _layout_bytes(fields: list[_Field]) -> int:
 
 
 class StepBuffer:
-    """One pinned host buffer + one device buffer with identical typed views.
+    """Pinned host buffers + one device buffer, all with identical typed views.
 
     `host[name]` is written by the CPU bookkeeping; `device[name]` is what kernels read.
-    `num_syncs` counts host-to-device copies (the one-copy-per-step invariant is tested).
+    The host side is double-buffered: with launch-ahead, step N+2 is written while step
+    N+1's asynchronous copy may not have run yet, so consecutive steps use alternate host
+    buffers (and a buffer is reused only after its previous copy finished). The device
+    buffer is single: copies and kernels run in stream order. `num_syncs` counts
+    host-to-device copies (the one-copy-per-step invariant is tested).
     """
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device):
@@ -90,17 +96,32 @@ class StepBuffer:
         fields = _fields(max_tokens, max_seqs, max_blocks_per_seq)
         nbytes = _layout_bytes(fields)
         pin = device.type == "cuda"
-        self._host_bytes = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self._host_bytes = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self._host_views = [_views(b, fields) for b in self._host_bytes]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._current = 0
         self._device_bytes = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        self.host = _views(self._host_bytes, fields)
         self.device = _views(self._device_bytes, fields)
         self.num_syncs = 0
 
     @property
+    def host(self) -> dict[str, torch.Tensor]:
+        """Views of the host buffer the next step is written into."""
+        return self._host_views[self._current]
+
+    @property
     def nbytes(self) -> int:
-        return self._host_bytes.numel()
+        return self._device_bytes.numel()
 
     def sync(self) -> None:
         """Mirror the host buffer into the device buffer: the step's single H2D copy."""
-        self._device_bytes.copy_(self._host_bytes, non_blocking=True)
+        self._device_bytes.copy_(self._host_bytes[self._current], non_blocking=True)
         self.num_syncs += 1
+        if self._device_bytes.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self._copied[self._current] = event
+        self._current ^= 1
+        pending = self._copied[self._current]
+        if pending is not None:
+            pending.synchronize()  # two steps old: long done in practice

@@ -1,12 +1,21 @@
 """LLMEngine: requests in, one batched step at a time, outputs out.
 
 Each `step()` is nano-vllm's three calls: `scheduler.schedule()` picks the batch,
-`runner.prepare` + `runner.launch` run it on the device, `_postprocess` appends the
-sampled tokens, detects finishes and frees resources. The CPU bookkeeping here is the
-single source of truth; the device only ever sees it through the runner's step buffer.
+`runner.prepare` + `runner.launch` run it on the device, `_retire` appends the sampled
+tokens, detects finishes and frees resources. The CPU bookkeeping here is the single
+source of truth; the device only ever sees it through the runner's step buffer.
+
+Launch-ahead (`async_scheduling=True`): with step N in flight, step N+1 is scheduled
+speculatively (every running request continues) and launched BEFORE N's bookkeeping, its
+decode inputs taken from N's samples on the device; N's bookkeeping then runs while the
+device computes N+1, and `_reconcile` decides row by row what of N+1 stays valid. Mamba
+state uses ping-pong copies (`MambaSlotAllocator(copies=2)`): a row reads the committed
+copy and writes the other, retiring a row flips the request's parity, rejecting it leaves
+the committed copy untouched -- an exact restore with no copy traffic.
 """
 import logging
 import os
+import random
 from typing import Any
 
 import torch
@@ -19,10 +28,10 @@ from hybrid_engine.models.embedded import EMBEDDED_CONFIG, EMBEDDED_MODEL_NAME, 
 from hybrid_engine.models.loader import load_model, read_config
 from hybrid_engine.models.presets import get_preset
 from hybrid_engine.request import Request, RequestOutput, RequestStatus
-from hybrid_engine.runner import ModelRunner, StepSamples
+from hybrid_engine.runner import ModelRunner, StepHandle, StepSamples
 from hybrid_engine.sampling import derive_seed
 from hybrid_engine.sampling_params import SamplingParams
-from hybrid_engine.scheduler import Scheduler
+from hybrid_engine.scheduler import Scheduler, SchedulerOutput
 from hybrid_engine.tokenizer import build_byte_tokenizer, load_tokenizer
 from layers.kernels import select_backend
 
@@ -61,18 +70,21 @@ class LLMEngine:
             {self.tokenizer.eos_token_id} if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
             else set()
         )
+        self.state_copies = 2 if cfg.async_scheduling else 1
         max_num_seqs, num_blocks = self._size_pools()
         self.kv = KVBlockAllocator(num_blocks, cfg.kv_block_size, len(mc.attention_layers), mc.num_kv_heads,
                                    mc.head_dim, cfg.torch_dtype, self.device)
         self.mamba = MambaSlotAllocator(max_num_seqs, len(mc.mamba_layers), mc.mamba_conv_dim, mc.conv_kernel - 1,
                                         mc.mamba_num_heads, mc.mamba_head_dim, mc.ssm_state_size, cfg.torch_dtype,
-                                        self.device)
-        self.scheduler = Scheduler(self.kv, self.mamba, cfg.max_num_batched_tokens)
+                                        self.device, copies=self.state_copies)
+        self.scheduler = Scheduler(self.kv, self.mamba, cfg.max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv, self.mamba, cfg.max_num_batched_tokens, self.max_model_len,
                                   self.device)
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self._seed_counter = 0
+        self._inflight: StepHandle | None = None
+        self._rejector = random.Random(cfg.seed)  # inject_rejection_rate draws, deterministic
         self._counters = dict(steps=0, launch_ahead_steps=0, rejected_launches=0, state_restores=0,
                               prefill_tokens=0, decode_tokens=0)
         logger.info(
@@ -95,7 +107,7 @@ class LLMEngine:
         budget = free - (1.0 - cfg.gpu_memory_utilization) * total
         seq_bytes = MambaSlotAllocator.bytes_per_seq(len(mc.mamba_layers), mc.mamba_conv_dim, mc.conv_kernel - 1,
                                                      mc.mamba_num_heads, mc.mamba_head_dim, mc.ssm_state_size,
-                                                     cfg.torch_dtype)
+                                                     cfg.torch_dtype, copies=self.state_copies)
         # Activations of the largest step plus sampling scratch: a generous estimate.
         width = max(mc.hidden_size * 4, mc.mamba_d_ssm * 2 + mc.mamba_conv_dim, mc.intermediate_size,
                     mc.moe_intermediate_size * max(mc.top_k, 1))
@@ -186,26 +198,47 @@ class LLMEngine:
         """Run one batched step; returns the outputs of the requests that advanced or ended."""
         outputs = [self._emit(r) for r in self._aborted]
         self._aborted.clear()
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return outputs
-        plan = self.runner.prepare(sched)
-        samples = self.runner.launch(plan).wait()
+        if self._inflight is None:
+            sched = self.scheduler.schedule()
+            if sched.is_empty:
+                return outputs
+            self._inflight = self._launch(sched, prev=None)
+        current, ahead = self._inflight, None
+        if self.config.async_scheduling:
+            # Nothing is evicted while a step is in flight: if no speculative work fits,
+            # the next call schedules from retired state (where eviction is allowed).
+            spec = self.scheduler.schedule(allow_evict=False)
+            if not spec.is_empty:
+                ahead = self._launch(spec, prev=current)
+                self._counters["launch_ahead_steps"] += 1
+        outputs.extend(self._retire(current, current.wait()))
+        self._inflight = self._reconcile(ahead) if ahead is not None else None
+        return outputs
+
+    def _launch(self, sched: SchedulerOutput, prev: StepHandle | None) -> StepHandle:
+        plan = self.runner.prepare(sched, prev)
         self._counters["steps"] += 1
         self._counters["decode_tokens"] += plan.num_decode
         self._counters["prefill_tokens"] += plan.num_tokens - plan.num_decode
-        outputs.extend(self._postprocess(plan.sched.chunks, samples))
-        return outputs
+        return self.runner.launch(plan, prev)
 
-    def _postprocess(self, chunks, samples: StepSamples) -> list[RequestOutput]:
+    def _retire(self, handle: StepHandle, samples: StepSamples) -> list[RequestOutput]:
+        """Bookkeeping of a finished step: commit its valid rows, append and check samples."""
         outputs = []
-        for i, chunk in enumerate(chunks):
+        for i, chunk in enumerate(handle.plan.sched.chunks):
             request = chunk.request
-            if request.finished:
+            request.inflight -= 1
+            if not handle.valid[i] or request.finished:
+                # Rejected by reconciliation, or finished / aborted while in flight: the
+                # row's writes are dead; the request's resources were held for it until now.
+                self._free_if_idle(request)
                 continue
             request.num_computed = chunk.start + chunk.num_tokens
+            if self.state_copies == 2:
+                request.state_parity ^= 1  # commit: the copy this row wrote is now current
             if not chunk.samples:
                 continue
+            request.pending_samples -= 1
             token = samples.token_ids[i]
             request.output_token_ids.append(token)
             request.pending_token_ids.append(token)
@@ -219,6 +252,37 @@ class LLMEngine:
                 self._finish(request, reason)
             outputs.append(self._emit(request))
         return outputs
+
+    def _reconcile(self, ahead: StepHandle) -> StepHandle | None:
+        """After step N's bookkeeping, keep what is still valid of the launched step N+1.
+
+        Row by row:
+        - request finished at N (length, EOS, stop token, stop string) or aborted: the row
+          is dropped; its blocks and slot are freed when the row retires (`_retire`).
+        - request paused or evicted: cannot happen here -- pauses are decided by the
+          scheduler before a launch, and eviction never touches a request in flight.
+        - new arrivals: admitted by the next `schedule`, never discarding these rows.
+        - injected rejection (`inject_rejection_rate`, a test knob): every row is rejected;
+          the launch cursors roll back and the Mamba state is restored by not flipping the
+          ping-pong parity (the committed copy was only read). The step is drained before
+          its rows' resources can be reused.
+        """
+        rate = self.config.inject_rejection_rate
+        reject_all = rate > 0 and self._rejector.random() < rate
+        rejected = False
+        for i, chunk in enumerate(ahead.plan.sched.chunks):
+            if chunk.request.finished:
+                ahead.valid[i], rejected = False, True
+            elif reject_all:
+                ahead.valid[i], rejected = False, True
+                self.scheduler.unschedule(chunk)
+                self._counters["state_restores"] += 1
+        if rejected:
+            self._counters["rejected_launches"] += 1
+        if not any(ahead.valid):
+            self._retire(ahead, ahead.wait())
+            return None
+        return ahead
 
     def _check_stop(self, request: Request, token: int) -> str | None:
         """Append the token's text and decide whether the request is done."""
@@ -241,8 +305,14 @@ class LLMEngine:
         if request.detokenizer is not None and request.detokenizer.stop_reason is None:
             request.pending_text += request.detokenizer.flush()
         request.finish_reason = reason
-        self.scheduler.release(request)
+        self.scheduler.remove(request)
         request.status = RequestStatus.FINISHED
+        self._free_if_idle(request)
+
+    def _free_if_idle(self, request: Request) -> None:
+        """Free a finished request's blocks and slot once no launched row can touch them."""
+        if request.finished and request.inflight == 0:
+            self.scheduler.free(request)
 
     def _emit(self, request: Request) -> RequestOutput:
         if request.finished:

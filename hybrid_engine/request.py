@@ -37,7 +37,7 @@ class RequestOutput:
     error: str | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: requests live in queues and dicts
 class Request:
     """Engine-side request: tokens, progress, and the resources it holds."""
 
@@ -51,8 +51,13 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     status: RequestStatus = RequestStatus.WAITING
-    # Tokens whose KV / Mamba state is committed; the next step feeds token `num_computed`.
+    # Tokens whose KV / Mamba state is committed.
     num_computed: int = 0
+    # Launch-ahead bookkeeping: tokens launched (committed + in flight), samples expected
+    # from launched steps not yet retired, and launched rows still on the device.
+    num_scheduled: int = 0
+    pending_samples: int = 0
+    inflight: int = 0
     blocks: list[int] = field(default_factory=list)
     seq_slot: int = -1  # request slot in the Mamba pool (also its token-history row)
     state_parity: int = 0  # which of the slot's state copies is committed (ping-pong)
@@ -73,13 +78,22 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def spec_num_tokens(self) -> int:
+        """Tokens once every launched step retires (samples in flight counted)."""
+        return self.num_tokens + self.pending_samples
+
+    @property
+    def spec_num_outputs(self) -> int:
+        return len(self.output_token_ids) + self.pending_samples
+
+    @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
     @property
     def is_decoding(self) -> bool:
-        """All tokens but the last generated one are computed: the next step feeds one token."""
-        return bool(self.output_token_ids) and self.num_computed == self.num_tokens - 1
+        """Everything but the newest (possibly in-flight) sample is launched: next step feeds one token."""
+        return self.spec_num_outputs > 0 and self.num_scheduled == self.spec_num_tokens - 1
 
     def token_at(self, position: int) -> int:
         n = len(self.prompt_token_ids)

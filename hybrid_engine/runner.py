@@ -31,6 +31,7 @@ class StepPlan:
     num_logprobs: int  # -1: no row wants logprobs
     all_greedy: bool
     use_penalties: bool
+    num_from_prev: int  # decode rows whose input is the previous step's sample (on device)
 
     @property
     def num_seqs(self) -> int:
@@ -46,11 +47,17 @@ class StepSamples:
 
 
 class StepHandle:
-    """A launched step whose samples are on their way to the host."""
+    """A launched step whose samples are on their way to the host.
 
-    def __init__(self, plan: StepPlan, host_tokens: torch.Tensor, host_lp: torch.Tensor | None,
-                 host_lp_ids: torch.Tensor | None, event: torch.cuda.Event | None):
-        self.plan, self._tokens, self._lp, self._lp_ids, self._event = plan, host_tokens, host_lp, host_lp_ids, event
+    `sampled` stays on the device so a launch-ahead step can feed it as input;
+    `valid[i]` is cleared when reconciliation rejects row i.
+    """
+
+    def __init__(self, plan: StepPlan, sampled: torch.Tensor, host_tokens: torch.Tensor,
+                 host_lp: torch.Tensor | None, host_lp_ids: torch.Tensor | None, event: torch.cuda.Event | None):
+        self.plan, self.sampled = plan, sampled
+        self._tokens, self._lp, self._lp_ids, self._event = host_tokens, host_lp, host_lp_ids, event
+        self.valid = [True] * plan.num_seqs
 
     def wait(self) -> StepSamples:
         """Block until the samples are on the host (the step's only host synchronization)."""
@@ -85,18 +92,29 @@ class ModelRunner:
         # Token history per request slot, written on device from each step's inputs
         # (idempotent: position p always holds the same token), read for penalties.
         self._history = torch.zeros(self.max_seqs, max_model_len, dtype=torch.int64, device=device)
+        # Samples land in alternating pinned buffers: with launch-ahead two steps are
+        # outstanding, and step N's samples are read before step N+2 is launched.
         pin = device.type == "cuda"
-        self._host_tokens = torch.zeros(self.max_seqs, dtype=torch.int64, pin_memory=pin)
-        self._host_lp = torch.zeros(self.max_seqs, 21, dtype=torch.float32, pin_memory=pin)
-        self._host_lp_ids = torch.zeros(self.max_seqs, 21, dtype=torch.int64, pin_memory=pin)
+        self._host_out = [
+            (torch.zeros(self.max_seqs, dtype=torch.int64, pin_memory=pin),
+             torch.zeros(self.max_seqs, 21, dtype=torch.float32, pin_memory=pin),
+             torch.zeros(self.max_seqs, 21, dtype=torch.int64, pin_memory=pin))
+            for _ in range(2)
+        ]
+        self._launches = 0
 
     # ---- host side -------------------------------------------------------------------
     def _state_slots(self, request: Request) -> tuple[int, int]:
-        """(read, write) state slots: equal in place; the other copy under ping-pong."""
+        """(read, write) state slots: equal in place; the other copy under ping-pong.
+
+        Under ping-pong a row reads the copy its predecessor wrote: the committed copy
+        flipped once per launched row still in flight (at most one).
+        """
         base = request.seq_slot * self.mamba.copies
         if self.mamba.copies == 1:
             return base, base
-        return base + request.state_parity, base + 1 - request.state_parity
+        parity = request.state_parity ^ (request.inflight & 1)
+        return base + parity, base + 1 - parity
 
     def _sync_block_table(self, request: Request) -> None:
         slot = request.seq_slot
@@ -107,32 +125,42 @@ class ModelRunner:
             self._block_table[slot, known:len(blocks)] = torch.tensor(blocks[known:], dtype=torch.int32)
             self._block_table_len[slot] = len(blocks)
 
-    def prepare(self, sched: SchedulerOutput) -> StepPlan:
-        """Write the step into the host buffer and mirror it to the device (one copy)."""
+    def prepare(self, sched: SchedulerOutput, prev: StepHandle | None = None) -> StepPlan:
+        """Write the step into the host buffer and mirror it to the device (one copy).
+
+        A decode row whose input token is still in flight (sampled by `prev`, not yet on
+        the host) gets `input_from_prev` = its row in `prev`; the device fills it in.
+        """
         h = self.buffer.host
         chunks = sched.chunks
         n_dec, n_seq = len(sched.decodes), len(chunks)
+        prev_rows = {id(c.request): i for i, c in enumerate(prev.plan.sched.chunks)} if prev is not None else {}
         input_ids: list[int] = []
+        from_prev: list[int] = []
         positions: list[int] = []
         prompt_mask: list[bool] = []
         cu = [0]
         src, dst = [], []
-        for c in chunks:
+        for i, c in enumerate(chunks):
             r = c.request
             self._sync_block_table(r)
             end = c.start + c.num_tokens
             n_prompt = len(r.prompt_token_ids)
-            if c.start >= n_prompt:
-                input_ids.extend(r.output_token_ids[c.start - n_prompt:end - n_prompt])
+            if end > r.num_tokens:  # the newest token is a sample still on the device
+                from_prev.append(prev_rows[id(r)])
+                input_ids.append(0)
             else:
+                if i < n_dec:
+                    from_prev.append(-1)
                 input_ids.extend(r.prompt_token_ids[c.start:min(end, n_prompt)])
-                input_ids.extend(r.output_token_ids[: max(end - n_prompt, 0)])
+                input_ids.extend(r.output_token_ids[max(c.start - n_prompt, 0): max(end - n_prompt, 0)])
             positions.extend(range(c.start, end))
             prompt_mask.extend(p < n_prompt for p in range(c.start, end))
             cu.append(cu[-1] + c.num_tokens)
             s, d = self._state_slots(r)
             src.append(s)
             dst.append(d)
+            r.inflight += 1
         t = cu[-1]
         slots = torch.tensor([c.request.seq_slot for c in chunks], dtype=torch.int64)
         pos = torch.tensor(positions, dtype=torch.int64)
@@ -152,7 +180,9 @@ class ModelRunner:
         h["mamba_dst"][:n_seq] = torch.tensor(dst, dtype=torch.int64)
         h["logits_indices"][:n_seq] = cu_t[1:].long() - 1
         h["history_rows"][:n_seq] = slots
+        h["input_from_prev"][:n_dec] = torch.tensor(from_prev, dtype=torch.int64)
         plan = self._write_sampling(sched, n_dec, t, max(c.num_tokens for c in chunks))
+        plan.num_from_prev = sum(i >= 0 for i in from_prev)
         self.buffer.sync()
         return plan
 
@@ -169,7 +199,10 @@ class ModelRunner:
         h["presence_penalty"][:n] = torch.tensor([p.presence_penalty for p in params])
         h["frequency_penalty"][:n] = torch.tensor([p.frequency_penalty for p in params])
         h["seeds"][:n] = torch.tensor([r.seed for r in requests], dtype=torch.int64)
-        h["output_pos"][:n] = torch.tensor([len(r.output_token_ids) for r in requests], dtype=torch.int64)
+        # Output index of each row's draw: samples already appended plus those in flight
+        # (the scheduler counted this row's own draw in pending_samples).
+        h["output_pos"][:n] = torch.tensor([r.spec_num_outputs - c.samples for r, c in zip(requests, sched.chunks)],
+                                           dtype=torch.int64)
         h["prompt_lens"][:n] = torch.tensor([len(r.prompt_token_ids) for r in requests], dtype=torch.int64)
         h["history_lens"][:n] = h["seq_lens"][:n].long()
         wanted = [p.logprobs for p in params if p.logprobs is not None]
@@ -177,7 +210,7 @@ class ModelRunner:
             sched=sched, num_decode=n_dec, num_prefill=n - n_dec, num_tokens=n_tokens, max_seqlen_q=max_q,
             num_logprobs=max(wanted) if wanted else -1,
             all_greedy=all(p.greedy for p in params),
-            use_penalties=any(p.uses_penalties for p in params),
+            use_penalties=any(p.uses_penalties for p in params), num_from_prev=0,
         )
 
     # ---- device side -----------------------------------------------------------------
@@ -210,25 +243,31 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan) -> StepHandle:
+    def launch(self, plan: StepPlan, prev: StepHandle | None = None) -> StepHandle:
         """Run forward + sampling for a prepared step; samples start copying to the host."""
         self.mamba.zero_new_slots()
         meta = self.forward_meta(plan)
         input_ids = self.buffer.device["input_ids"][: plan.num_tokens]
+        if plan.num_from_prev:
+            rows = self.buffer.device["input_from_prev"][: plan.num_decode]
+            fed = prev.sampled[rows.clamp(min=0)]
+            input_ids[: plan.num_decode] = torch.where(rows >= 0, fed, input_ids[: plan.num_decode])
         hidden = self.model(input_ids, meta)
         logits = self.model.compute_logits(hidden[meta.logits_indices])
         out = sample(logits, self._sampling_tensors(plan, meta, input_ids), num_logprobs=plan.num_logprobs,
                      all_greedy=plan.all_greedy, use_penalties=plan.use_penalties)
         s = plan.num_seqs
-        self._host_tokens[:s].copy_(out.sampled_token_ids, non_blocking=True)
+        host_tokens, host_lp, host_lp_ids = self._host_out[self._launches % 2]
+        self._launches += 1
+        host_tokens[:s].copy_(out.sampled_token_ids, non_blocking=True)
         lp = lp_ids = None
         if out.logprobs is not None:
             k = out.logprobs.shape[1]
-            lp, lp_ids = self._host_lp[:, :k], self._host_lp_ids[:, :k]
+            lp, lp_ids = host_lp[:, :k], host_lp_ids[:, :k]
             lp[:s].copy_(out.logprobs, non_blocking=True)
             lp_ids[:s].copy_(out.logprob_token_ids, non_blocking=True)
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        return StepHandle(plan, self._host_tokens, lp, lp_ids, event)
+        return StepHandle(plan, out.sampled_token_ids, host_tokens, lp, lp_ids, event)

@@ -7,11 +7,18 @@ Policy, in order (each step):
    requests mid-prompt take the next chunk that the token budget and free blocks allow.
 3. Waiting requests are admitted FCFS while a Mamba slot, token budget and KV blocks for
    their first chunk are free -- but never while a request is paused (it has priority).
-4. If nothing at all could be scheduled, the newest paused or stalled request is EVICTED:
+4. If nothing at all could be scheduled (and no step is in flight), the newest paused or
+   stalled request is EVICTED:
    its blocks and slot are freed and it goes back to the front of the queue, to be
    recomputed (prompt + tokens generated so far) when readmitted. Repeat until the step
    has work. A lone request always fits: `LLMEngine.add_request` rejects any request
    whose prompt + max_tokens cannot fit in the whole pool.
+
+Launch-ahead: the scheduler plans from each request's *launched* cursor (`num_scheduled`,
+`spec_num_tokens`), i.e. as if every in-flight step's rows continue. A request whose
+in-flight sample will surely end it (max_tokens / context reached) is not planned again.
+Pauses are decided here, before a launch, so no launched row belongs to a paused
+request; eviction never touches a request with rows in flight.
 """
 from collections import deque
 from dataclasses import dataclass, field
@@ -23,16 +30,13 @@ from hybrid_engine.request import Request, RequestStatus
 
 @dataclass
 class ScheduledChunk:
-    """`num_tokens` tokens of `request` starting at position `start`."""
+    """`num_tokens` tokens of `request` starting at position `start`; `samples`: the chunk
+    reaches the request's last token, so its last logits draw the next token."""
 
     request: Request
     start: int
     num_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the last known token, so its last logits draw the next token."""
-        return self.start + self.num_tokens == self.request.num_tokens
+    samples: bool
 
 
 @dataclass
@@ -58,9 +62,11 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the request queues and hands out KV blocks and Mamba slots."""
 
-    def __init__(self, kv: KVBlockAllocator, mamba: MambaSlotAllocator, max_num_batched_tokens: int):
+    def __init__(self, kv: KVBlockAllocator, mamba: MambaSlotAllocator, max_num_batched_tokens: int,
+                 max_model_len: int):
         self.kv, self.mamba = kv, mamba
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order; includes paused requests
         self.num_pauses = 0
@@ -77,27 +83,47 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def release(self, request: Request) -> None:
-        """Return a request's blocks and slot to the pools and drop it from the queues."""
+    def remove(self, request: Request) -> None:
+        """Drop a request from the queues (it keeps its resources until `free`)."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
+    def free(self, request: Request) -> None:
+        """Return a request's blocks and Mamba slot to the pools."""
         if request.blocks:
             self.kv.free(request.blocks)
             request.blocks = []
         if request.seq_slot >= 0:
             self.mamba.free(request.seq_slot)
             request.seq_slot = -1
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
 
     # ---- the step ---------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        """Pick this step's batch (see the module docstring for the policy)."""
+    def schedule(self, allow_evict: bool = True) -> SchedulerOutput:
+        """Pick this step's batch (see the module docstring) and advance the launch cursors."""
         while True:
             out = self._try_schedule()
-            if not out.is_empty or not self.running:
-                return out
-            self._evict(self.running[-1])
+            if not out.is_empty or not self.running or not allow_evict:
+                break
+            self._evict(next(r for r in reversed(self.running) if r.inflight == 0))
+        for chunk in out.chunks:
+            request = chunk.request
+            request.num_scheduled += chunk.num_tokens
+            request.pending_samples += chunk.samples
+        return out
+
+    def unschedule(self, chunk: ScheduledChunk) -> None:
+        """Roll a rejected launch's cursors back (its effects on state are discarded)."""
+        chunk.request.num_scheduled = chunk.start
+        chunk.request.pending_samples -= chunk.samples
+
+    def _surely_done(self, request: Request) -> bool:
+        """An in-flight sample will end the request whatever its value: don't plan past it."""
+        params = request.params
+        return request.pending_samples > 0 and (
+            request.spec_num_outputs >= params.max_tokens or request.spec_num_tokens >= self.max_model_len
+        )
 
     def _try_schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -105,42 +131,45 @@ class Scheduler:
         for request in self.running:
             if budget == 0:
                 break
+            if self._surely_done(request):
+                continue
             if request.is_decoding:
-                if not self._reserve(request, request.num_computed + 1):
+                if not self._reserve(request, request.num_scheduled + 1):
                     if request.status is RequestStatus.RUNNING:
                         request.status = RequestStatus.PAUSED
                         self.num_pauses += 1
                     continue
                 request.status = RequestStatus.RUNNING
-                out.decodes.append(ScheduledChunk(request, request.num_computed, 1))
+                out.decodes.append(ScheduledChunk(request, request.num_scheduled, 1, samples=True))
                 budget -= 1
             else:
-                n = self._prefill_chunk(request, budget)
-                if n:
-                    out.prefills.append(ScheduledChunk(request, request.num_computed, n))
-                    budget -= n
+                chunk = self._prefill_chunk(request, budget)
+                if chunk is not None:
+                    out.prefills.append(chunk)
+                    budget -= chunk.num_tokens
         while self.waiting and budget > 0 and not self.paused and self.mamba.num_free > 0:
             request = self.waiting[0]
-            n = self._prefill_chunk(request, budget)
-            if n == 0:
+            chunk = self._prefill_chunk(request, budget)
+            if chunk is None:
                 break  # FCFS: the head waits for blocks; nobody overtakes it
             self.waiting.popleft()
             request.seq_slot = self.mamba.allocate()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.prefills.append(ScheduledChunk(request, request.num_computed, n))
-            budget -= n
+            out.prefills.append(chunk)
+            budget -= chunk.num_tokens
         return out
 
-    def _prefill_chunk(self, request: Request, budget: int) -> int:
-        """Tokens of the next prefill chunk that fit the budget and the KV pool (blocks reserved)."""
-        remaining = request.num_tokens - request.num_computed
-        held = len(request.blocks) * self.kv.block_size - request.num_computed
+    def _prefill_chunk(self, request: Request, budget: int) -> ScheduledChunk | None:
+        """The next prefill chunk that fits the budget and the KV pool (blocks reserved)."""
+        start, end = request.num_scheduled, request.spec_num_tokens
+        held = len(request.blocks) * self.kv.block_size - start
         fits = held + self.kv.num_free * self.kv.block_size
-        n = min(remaining, budget, fits)
-        if n > 0:
-            self._reserve(request, request.num_computed + n)
-        return max(n, 0)
+        n = min(end - start, budget, fits)
+        if n <= 0:
+            return None
+        self._reserve(request, start + n)
+        return ScheduledChunk(request, start, n, samples=start + n == end)
 
     def _reserve(self, request: Request, num_tokens: int) -> bool:
         """Make the request hold blocks for `num_tokens` tokens; False if the pool can't."""
@@ -154,8 +183,10 @@ class Scheduler:
 
     def _evict(self, request: Request) -> None:
         """Free everything the request holds and requeue it at the front for recompute."""
-        self.release(request)
-        request.num_computed = 0
+        self.remove(request)
+        self.free(request)
+        request.num_computed = request.num_scheduled = 0
+        request.state_parity = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
         self.num_evictions += 1
