@@ -225,12 +225,14 @@ class LLMEngine:
     def _retire(self, handle: StepHandle, samples: StepSamples) -> list[RequestOutput]:
         """Bookkeeping of a finished step: commit its valid rows, append and check samples."""
         outputs = []
+        dropped = False
         for i, chunk in enumerate(handle.plan.sched.chunks):
             request = chunk.request
             request.inflight -= 1
             if not handle.valid[i] or request.finished:
-                # Rejected by reconciliation, or finished / aborted while in flight: the
-                # row's writes are dead; the request's resources were held for it until now.
+                # Rejected by reconciliation, or aborted while in flight: the row's writes
+                # are dead; the request's resources were held for it until now.
+                dropped |= handle.valid[i]
                 self._free_if_idle(request)
                 continue
             request.num_computed = chunk.start + chunk.num_tokens
@@ -251,6 +253,8 @@ class LLMEngine:
             if reason is not None:
                 self._finish(request, reason)
             outputs.append(self._emit(request))
+        if dropped:
+            self._counters["rejected_launches"] += 1
         return outputs
 
     def _reconcile(self, ahead: StepHandle) -> StepHandle | None:
