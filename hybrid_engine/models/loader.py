@@ -140,7 +140,7 @@ def init_dummy_weights(model: HybridForCausalLM, seed: int) -> None:
 
 
 def _keep_fp32(model: nn.Module) -> None:
-    """Mamba's A_log / D / dt_bias and the router bias stay float32: tiny, precision-critical."""
+    """Mamba's A_log / D / dt_bias stay float32: tiny and precision-critical."""
     for mixer in model.modules():
         if isinstance(mixer, Mamba2Mixer):
             for name in ("A_log", "D", "dt_bias"):
@@ -148,18 +148,20 @@ def _keep_fp32(model: nn.Module) -> None:
 
 
 def create_model(config: HybridConfig, device: torch.device, dtype: torch.dtype) -> HybridForCausalLM:
-    """The model with uninitialized storage on `device` in `dtype`."""
-    with torch.device("meta"):
-        model = build_model(config)
-    model = model.to_empty(device=device).to(dtype)
+    """The model on `device` with parameters in `dtype` (placeholders until loaded or initialized).
+
+    Built directly on the target device with `dtype` as the default dtype (not meta +
+    to_empty, whose first use imports sympy and costs seconds, nor a later `.to(dtype)`,
+    which would also cast the float32 buffers: RoPE frequencies, the router bias).
+    """
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = build_model(config)
+    finally:
+        torch.set_default_dtype(previous)
     _keep_fp32(model)
-    for module in model.modules():  # derived buffers are not in checkpoints: recompute them
-        if hasattr(module, "inv_freq"):
-            head_dim = module.inv_freq.shape[0] * 2
-            module.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
-    for name, buf in model.named_buffers():
-        if name.endswith("e_score_correction_bias"):
-            buf.data = torch.zeros(buf.shape, dtype=torch.float32, device=device)
     return model.eval()
 
 
