@@ -110,15 +110,30 @@ def load_checkpoint_weights(model: HybridForCausalLM, path: str) -> None:
                               (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
 
 
+# Below this size dummy weights are drawn on the CPU, so a seed gives the same model on
+# every device (the embedded model, test models); above it they are drawn on the model's
+# device, since drawing billions of values on the CPU takes minutes.
+_CPU_DRAW_MAX_PARAMS = 50_000_000
+
+
 @torch.no_grad()
 def init_dummy_weights(model: HybridForCausalLM, seed: int) -> None:
     """Seeded random weights of the real shapes, scaled like the models' own init."""
     c: HybridConfig = model.config
     device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    draw_on = torch.device("cpu") if n_params <= _CPU_DRAW_MAX_PARAMS else device
+    gen = torch.Generator(device=draw_on).manual_seed(seed)
+
+    def randn(shape) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, device=draw_on, dtype=torch.float32)
+
+    def rand(shape) -> torch.Tensor:
+        return torch.rand(shape, generator=gen, device=draw_on, dtype=torch.float32)
+
     for name, p in model.named_parameters():
         if p.ndim >= 2:
-            p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32) * 0.02)
+            p.copy_(randn(p.shape) * 0.02)
         elif name.endswith("bias"):
             p.zero_()
         else:
@@ -126,15 +141,13 @@ def init_dummy_weights(model: HybridForCausalLM, seed: int) -> None:
     for mixer in model.modules():
         if isinstance(mixer, Mamba2Mixer):
             heads = mixer.num_heads
-            mixer.A_log.copy_(torch.log(torch.arange(1, heads + 1, dtype=torch.float32, device=device)))
+            mixer.A_log.copy_(torch.log(torch.arange(1, heads + 1, dtype=torch.float32)))
             mixer.D.fill_(1.0)
-            u = torch.rand(heads, generator=gen, device=device)
-            dt = torch.exp(u * (math.log(c.time_step_max) - math.log(c.time_step_min)) + math.log(c.time_step_min))
-            dt = dt.clamp(min=1e-4)
+            dt = torch.exp(rand(heads) * (math.log(c.time_step_max) - math.log(c.time_step_min))
+                           + math.log(c.time_step_min)).clamp(min=1e-4)
             mixer.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
-            fan_in = mixer.conv1d.weight.shape[-1]
-            bound = 1.0 / math.sqrt(fan_in)
-            mixer.conv1d.weight.copy_((torch.rand(mixer.conv1d.weight.shape, generator=gen, device=device) * 2 - 1) * bound)
+            bound = 1.0 / math.sqrt(mixer.conv1d.weight.shape[-1])
+            mixer.conv1d.weight.copy_((rand(mixer.conv1d.weight.shape) * 2 - 1) * bound)
     if c.tie_word_embeddings:
         model.tie_embeddings()
 
