@@ -1,8 +1,28 @@
 """Fast GPU ops (Triton). Each family is offered only when its implementation imports;
 anything not offered here runs the reference op."""
+import importlib
 from typing import Callable
+
+# Module under layers.kernels.triton -> the ops it implements. A family whose module fails
+# to import (Triton missing, or fla-core missing for the SSD scan) keeps the reference ops.
+# The MoE routers are not listed: the reference routers are already sync-free torch ops.
+_FAMILIES: dict[str, tuple[str, ...]] = {
+    "norm": ("rms_norm", "gated_rms_norm"),
+    "conv1d": ("causal_conv1d_varlen", "causal_conv1d_update"),
+    "ssd": ("ssd_chunk_scan_varlen",),
+    "ssm_update": ("ssm_state_update",),
+    "attention": ("write_kv_cache", "paged_attention"),
+    "moe": ("moe_experts",),
+}
 
 
 def available_ops() -> dict[str, Callable]:
     """Op family name -> fast implementation, for the families available on this machine."""
-    return {}
+    found: dict[str, Callable] = {}
+    for module_name, op_names in _FAMILIES.items():
+        try:
+            module = importlib.import_module(f"layers.kernels.triton.{module_name}")
+        except ImportError:
+            continue
+        found.update({name: getattr(module, name) for name in op_names})
+    return found

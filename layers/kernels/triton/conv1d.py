@@ -1,0 +1,197 @@
+"""Depthwise causal conv1d of the Mamba-2 mixer over conv-state slots (own Triton kernels).
+
+Same contract as `layers.kernels.reference.conv1d`: conv_states[slot] = [D, K-1] holds the
+last K-1 inputs (oldest first); each sequence reads `src_slots[s]` and writes
+`dst_slots[s]`; slot -1 marks a padding row (output zeros, no state touched).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from layers.kernels.triton.slots import scatter_slots, token_to_seq
+
+
+def _check_activation(activation: str | None) -> bool:
+    if activation is None:
+        return False
+    if activation in ("silu", "swish"):
+        return True
+    raise ValueError(f"unsupported conv activation: {activation!r}")
+
+
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """The kernels index the channel / tap dim with unit stride; copy only when it is not."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@triton.jit
+def _conv_varlen_kernel(
+    x_ptr, w_ptr, bias_ptr, states_ptr, y_ptr, cu_ptr, tok_seq_ptr, src_ptr,
+    num_tokens, dim, num_seqs,
+    stride_xt, stride_wd, stride_slot, stride_sd, stride_sk, stride_yt,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+):
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    t_in = t < num_tokens
+    d_in = d < dim
+    seq = tl.load(tok_seq_ptr + t, mask=t_in, other=num_seqs)
+    in_seq = t_in & (seq < num_seqs)
+    start = tl.load(cu_ptr + seq, mask=in_seq, other=0)
+    src = tl.load(src_ptr + seq, mask=in_seq, other=-1)
+    valid = in_seq & (src >= 0)
+    pos = t - start  # position inside the sequence
+    state_row = src.to(tl.int64) * stride_slot
+    acc = tl.zeros((BT, BD), dtype=tl.float32)
+    for j in tl.static_range(K):
+        # Tap j sees input position pos-(K-1)+j: a packed token when >= 0, else the saved state.
+        p = pos - (K - 1) + j
+        w = tl.load(w_ptr + d * stride_wd + j, mask=d_in, other=0.0).to(tl.float32)
+        from_x = valid & (p >= 0)
+        xv = tl.load(x_ptr + (t + j - (K - 1))[:, None] * stride_xt + d[None, :],
+                     mask=from_x[:, None] & d_in[None, :], other=0.0).to(tl.float32)
+        from_state = valid & (p < 0)
+        sv = tl.load(states_ptr + state_row[:, None] + d[None, :] * stride_sd + (p + K - 1)[:, None] * stride_sk,
+                     mask=from_state[:, None] & d_in[None, :], other=0.0).to(tl.float32)
+        acc += (xv + sv) * w[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + d, mask=d_in, other=0.0).to(tl.float32)[None, :]
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    acc = tl.where(valid[:, None], acc, 0.0)
+    tl.store(y_ptr + t[:, None] * stride_yt + d[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=t_in[:, None] & d_in[None, :])
+
+
+@triton.jit
+def _conv_final_state_kernel(
+    x_ptr, states_ptr, out_ptr, cu_ptr, src_ptr, dim,
+    stride_xt, stride_slot, stride_sd, stride_sk,
+    K: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    src = tl.load(src_ptr + seq)
+    if src < 0:
+        return
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    d_in = d < dim
+    start = tl.load(cu_ptr + seq)
+    length = tl.load(cu_ptr + seq + 1) - start
+    c = tl.arange(0, BK)
+    # The new state column c holds input position length-(K-1)+c (from x or, for short
+    # sequences, from the old state).
+    p = length - (K - 1) + c
+    col_in = c < K - 1
+    xv = tl.load(x_ptr + (start + p)[None, :] * stride_xt + d[:, None],
+                 mask=d_in[:, None] & (col_in & (p >= 0))[None, :], other=0.0).to(tl.float32)
+    sv = tl.load(states_ptr + src.to(tl.int64) * stride_slot + d[:, None] * stride_sd + (p + K - 1)[None, :] * stride_sk,
+                 mask=d_in[:, None] & (col_in & (p < 0))[None, :], other=0.0).to(tl.float32)
+    out = out_ptr + seq.to(tl.int64) * dim * (K - 1) + d[:, None] * (K - 1) + c[None, :]
+    tl.store(out, (xv + sv).to(out_ptr.dtype.element_ty), mask=d_in[:, None] & col_in[None, :])
+
+
+def causal_conv1d_varlen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_states: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """Causal conv over packed prefill chunks continuing from saved state (no host sync).
+
+    x: [T, D] (row stride free, unit channel stride); weight: [D, K]; conv_states:
+    [slots, D, K-1]; cu_seqlens: [S+1]; src_slots / dst_slots: [S]. Returns y: [T, D] in
+    x's dtype; rows of padding sequences and tokens past cu_seqlens[-1] are zeros.
+    """
+    silu = _check_activation(activation)
+    num_tokens, dim = x.shape
+    k = weight.shape[1]
+    num_seqs = src_slots.shape[0]
+    y = torch.empty((num_tokens, dim), dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return y
+    x, weight = _unit_last_stride(x), _unit_last_stride(weight)
+    tok_seq = token_to_seq(cu_seqlens, num_tokens)
+    bt, bd = 32, 128
+    grid = (triton.cdiv(num_tokens, bt), triton.cdiv(dim, bd))
+    _conv_varlen_kernel[grid](
+        x, weight, bias if bias is not None else weight, conv_states, y, cu_seqlens, tok_seq, src_slots,
+        num_tokens, dim, num_seqs,
+        x.stride(0), weight.stride(0), conv_states.stride(0), conv_states.stride(1), conv_states.stride(2), y.stride(0),
+        K=k, HAS_BIAS=bias is not None, SILU=silu, BT=bt, BD=bd, num_warps=4,
+    )
+    if num_seqs:
+        final = torch.empty((num_seqs, dim, k - 1), dtype=conv_states.dtype, device=x.device)
+        _conv_final_state_kernel[(num_seqs, triton.cdiv(dim, bd))](
+            x, conv_states, final, cu_seqlens, src_slots, dim,
+            x.stride(0), conv_states.stride(0), conv_states.stride(1), conv_states.stride(2),
+            K=k, BK=triton.next_power_of_2(k - 1), BD=bd, num_warps=4,
+        )
+        scatter_slots(conv_states, final, src_slots, dst_slots)
+    return y
+
+
+@triton.jit
+def _conv_update_kernel(
+    x_ptr, w_ptr, bias_ptr, states_ptr, y_ptr, src_ptr, dst_ptr, dim,
+    stride_xb, stride_wd, stride_slot, stride_sd, stride_sk, stride_yb,
+    K: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BD: tl.constexpr,
+):
+    row = tl.program_id(0)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    d_in = d < dim
+    src = tl.load(src_ptr + row)
+    if src < 0:
+        tl.store(y_ptr + row * stride_yb + d, tl.zeros((BD,), dtype=y_ptr.dtype.element_ty), mask=d_in)
+        return
+    dst = tl.load(dst_ptr + row)
+    c = tl.arange(0, BK)
+    history = tl.load(states_ptr + src.to(tl.int64) * stride_slot + d[:, None] * stride_sd + c[None, :] * stride_sk,
+                      mask=d_in[:, None] & (c < K - 1)[None, :], other=0.0).to(tl.float32)
+    xv = tl.load(x_ptr + row * stride_xb + d, mask=d_in, other=0.0).to(tl.float32)
+    window = tl.where((c == K - 1)[None, :], xv[:, None], history)  # [BD, BK]: state ++ x
+    w = tl.load(w_ptr + d[:, None] * stride_wd + c[None, :], mask=d_in[:, None] & (c < K)[None, :], other=0.0)
+    acc = tl.sum(window * w.to(tl.float32), axis=1)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + d, mask=d_in, other=0.0).to(tl.float32)
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(y_ptr + row * stride_yb + d, acc.to(y_ptr.dtype.element_ty), mask=d_in)
+    # New state = window shifted left by one: column c of the window goes to state column c-1.
+    # Every value was loaded above, so src == dst (in place) is safe within this program.
+    tl.store(states_ptr + dst.to(tl.int64) * stride_slot + d[:, None] * stride_sd + (c - 1)[None, :] * stride_sk,
+             window.to(states_ptr.dtype.element_ty), mask=d_in[:, None] & ((c >= 1) & (c < K))[None, :])
+
+
+def causal_conv1d_update(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_states: torch.Tensor,
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """One decode token per row: y = conv(state ++ x), state[dst] <- last K-1 inputs.
+
+    x: [B, D]; rows whose src slot is -1 are padding (output zeros, no state touched).
+    CUDA-graph capturable. A row's dst slot must not be another row's src slot (each row
+    owns its slots; src == dst of the same row is fine).
+    """
+    silu = _check_activation(activation)
+    batch, dim = x.shape
+    k = weight.shape[1]
+    y = torch.empty((batch, dim), dtype=x.dtype, device=x.device)
+    if batch == 0:
+        return y
+    x, weight = _unit_last_stride(x), _unit_last_stride(weight)
+    bd = 256
+    _conv_update_kernel[(batch, triton.cdiv(dim, bd))](
+        x, weight, bias if bias is not None else weight, conv_states, y, src_slots, dst_slots, dim,
+        x.stride(0), weight.stride(0), conv_states.stride(0), conv_states.stride(1), conv_states.stride(2), y.stride(0),
+        K=k, BK=triton.next_power_of_2(k), HAS_BIAS=bias is not None, SILU=silu, BD=bd, num_warps=4,
+    )
+    return y

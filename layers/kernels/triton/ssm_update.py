@@ -1,0 +1,84 @@
+"""Mamba-2 single-token SSM state update for decode (own Triton kernel).
+
+Separate src and dst slots (ping-pong rollback keeps the old state intact), slot -1 rows
+are padding, no host sync and no data-dependent shapes, so it captures in a CUDA graph.
+The op is bound by reading and writing the float32 state ([H, P, N] per row), so the grid
+splits every (row, head) over blocks of head channels to keep enough loads in flight.
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _ssm_update_kernel(
+    state_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, y_ptr, src_ptr, dst_ptr,
+    head_dim, state_size, heads_per_group,
+    stride_slot, stride_sh, stride_sp, stride_sn,
+    stride_xb, stride_xh, stride_xp,
+    stride_dtb, stride_dth,
+    stride_bb, stride_bg, stride_bn,
+    stride_cb, stride_cg, stride_cn,
+    stride_yb, stride_yh, stride_yp,
+    BP: tl.constexpr, BN: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    p = tl.program_id(2) * BP + tl.arange(0, BP)
+    n = tl.arange(0, BN)
+    p_in = p < head_dim
+    n_in = n < state_size
+    y_ptrs = y_ptr + row * stride_yb + head * stride_yh + p * stride_yp
+    src = tl.load(src_ptr + row)
+    if src < 0:
+        tl.store(y_ptrs, tl.zeros((BP,), dtype=y_ptr.dtype.element_ty), mask=p_in)
+        return
+    dst = tl.load(dst_ptr + row)
+    group = head // heads_per_group
+    tile = head * stride_sh + p[:, None] * stride_sp + n[None, :] * stride_sn
+    tile_in = p_in[:, None] & n_in[None, :]
+    state = tl.load(state_ptr + src.to(tl.int64) * stride_slot + tile, mask=tile_in, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_xb + head * stride_xh + p * stride_xp, mask=p_in, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + row * stride_dtb + head * stride_dth).to(tl.float32)
+    a = tl.load(a_ptr + head).to(tl.float32)
+    b = tl.load(b_ptr + row * stride_bb + group * stride_bg + n * stride_bn, mask=n_in, other=0.0).to(tl.float32)
+    c = tl.load(c_ptr + row * stride_cb + group * stride_cg + n * stride_cn, mask=n_in, other=0.0).to(tl.float32)
+    d_skip = tl.load(d_ptr + head).to(tl.float32)
+    state = state * tl.exp(dt * a) + (dt * x)[:, None] * b[None, :]
+    tl.store(state_ptr + dst.to(tl.int64) * stride_slot + tile, state.to(state_ptr.dtype.element_ty), mask=tile_in)
+    y = tl.sum(state * c[None, :], axis=1) + d_skip * x
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=p_in)
+
+
+def ssm_state_update(
+    ssm_states: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+) -> torch.Tensor:
+    """One decode token per row: read the state at src slot, write the new state at dst slot.
+
+    x: [B, H, P]; dt: [B, H] float32 (already processed); A, D: [H]; B, C: [B, G, N];
+    ssm_states: [slots, H, P, N]. Rows with src slot -1 are padding (output zeros, no state
+    read or written). A row's dst slot must not be another row's src slot (each row owns
+    its slots; src == dst of the same row is fine). Returns y: [B, H, P] in x's dtype.
+    """
+    batch, heads, head_dim = x.shape
+    state_size = ssm_states.shape[-1]
+    y = torch.empty((batch, heads, head_dim), dtype=x.dtype, device=x.device)
+    if batch == 0:
+        return y
+    bp = min(16, triton.next_power_of_2(head_dim))
+    grid = (batch, heads, triton.cdiv(head_dim, bp))
+    _ssm_update_kernel[grid](
+        ssm_states, x, dt, A, B, C, D, y, src_slots, dst_slots,
+        head_dim, state_size, heads // B.shape[1],
+        *ssm_states.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *y.stride(),
+        BP=bp, BN=triton.next_power_of_2(state_size), num_warps=4,
+    )
+    return y

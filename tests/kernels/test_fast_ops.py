@@ -1,0 +1,402 @@
+"""Fast (Triton / fla-core) ops against the reference ops, on fresh random inputs.
+
+Run on a GPU: `python -m pytest tests/kernels -m gpu -q`. Without CUDA these tests skip,
+unless TRITON_INTERPRET=1, which runs the own Triton kernels on the CPU through Triton's
+interpreter (slow; float16 stands in for bfloat16 there because the interpreter's bf16
+dot is wrong; fla-core's kernels do not run in it).
+
+State pools are poisoned with NaN at the slots an op must write, and every slot the op
+must not write is compared bit for bit afterwards.
+"""
+import importlib.util
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from layers.kernels import reference as ref
+
+pytestmark = pytest.mark.gpu
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if torch.cuda.is_available():
+    DEVICE = "cuda"
+elif INTERPRET:
+    DEVICE = "cpu"
+else:
+    pytest.skip("needs CUDA (or TRITON_INTERPRET=1 for a slow CPU run)", allow_module_level=True)
+
+from layers.kernels.triton import attention, conv1d, moe, norm, ssm_update  # noqa: E402
+
+HAS_FLA = importlib.util.find_spec("fla") is not None and not INTERPRET
+LOW = torch.float16 if INTERPRET else torch.bfloat16
+DTYPES = [LOW, torch.float32]
+TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}
+# fla-core runs float32 matmuls in TF32 (about 1e-3 relative), so its float32 bound is looser.
+SSD_TOL = {**TOL, torch.float32: 2e-3}
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed() -> int:
+    """A new seed every run (fresh inputs); it is printed with any failure."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    print(f"seed={seed}")
+    return seed
+
+
+def rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
+    out, expected = out.double(), expected.double()
+    return ((out - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+def assert_close(out: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+    assert out.shape == expected.shape
+    assert not torch.isnan(out).any(), "NaN in output: an element was not written or read poison"
+    err = rel_err(out, expected)
+    assert err < tol, f"relative error {err:.3g} >= {tol}"
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, device=DEVICE) * scale).to(dtype)
+
+
+def slot_plan(padded: list[bool], in_place: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(src, dst, valid, num_slots): distinct slots per row (dst == src when in place), -1 for padding rows."""
+    rows = len(padded)
+    num_slots = 2 * rows + 3
+    perm = torch.randperm(num_slots, device=DEVICE)
+    src, dst = perm[:rows].clone(), (perm[:rows] if in_place else perm[rows:2 * rows]).clone()
+    valid = ~torch.tensor(padded, dtype=torch.bool, device=DEVICE)
+    src[~valid] = -1
+    dst[~valid] = -1
+    return src, dst, valid, num_slots
+
+
+def every_third_padded(rows: int) -> list[bool]:
+    return [i % 3 == 1 for i in range(rows)]
+
+
+def check_pool(pool: torch.Tensor, expected_pool: torch.Tensor, written: torch.Tensor, tol: float) -> None:
+    """Written slots close to the reference, all other slots untouched (bit-exact)."""
+    untouched = torch.ones(pool.shape[0], dtype=torch.bool, device=pool.device)
+    untouched[written] = False
+    assert torch.equal(pool[untouched], expected_pool[untouched]), "a slot not named was modified"
+    assert_close(pool[written], expected_pool[written], tol)
+
+
+# ---------------------------------------------------------------- norms
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,dim,group", [(1, 512, 128), (7, 288, 96), (64, 1024, 1024)])
+def test_gated_rms_norm(dtype: torch.dtype, tokens: int, dim: int, group: int) -> None:
+    x = randn(tokens, dim, dtype=dtype)
+    z = randn(tokens, 2 * dim, dtype=dtype)[:, dim:]  # strided view, as the mixer passes it
+    for weight in (randn(dim, dtype=dtype), randn(dim)):
+        out = norm.gated_rms_norm(x, z, weight, 1e-5, group)
+        expected = ref.gated_rms_norm(x, z, weight, 1e-5, group)
+        assert out.dtype == expected.dtype
+        assert_close(out, expected, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weight_in_fp32", [True, False])
+@pytest.mark.parametrize("shape", [(1, 4096), (3, 5, 100)])
+def test_rms_norm(dtype: torch.dtype, weight_in_fp32: bool, shape: tuple[int, ...]) -> None:
+    x = randn(*shape, dtype=dtype)
+    weight = randn(shape[-1])
+    out = norm.rms_norm(x, weight, 1e-6, weight_in_fp32)
+    expected = ref.rms_norm(x, weight, 1e-6, weight_in_fp32)
+    assert out.dtype == expected.dtype
+    assert_close(out, expected, TOL[dtype])
+
+
+# ---------------------------------------------------------------- conv1d
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 5, 64])
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_causal_conv1d_update(dtype: torch.dtype, batch: int, in_place: bool, with_bias: bool) -> None:
+    dim, width = 300, 4
+    src, dst, valid, num_slots = slot_plan(every_third_padded(batch), in_place)
+    states = randn(num_slots, dim, width - 1, dtype=dtype)
+    if not in_place:
+        states[dst[valid]] = float("nan")
+    x = randn(batch, 2 * dim, dtype=dtype)[:, :dim]
+    weight, bias = randn(dim, width, dtype=dtype), (randn(dim, dtype=dtype) if with_bias else None)
+    expected_states = states.clone()
+    expected = ref.causal_conv1d_update(x, weight, bias, expected_states, src, dst)
+    out = conv1d.causal_conv1d_update(x, weight, bias, states, src, dst)
+    assert_close(out[valid], expected[valid], TOL[dtype])
+    assert (out[~valid] == 0).all()
+    check_pool(states, expected_states, dst[valid], TOL[dtype])
+
+
+def _varlen_plan(lens: list[int], padded: list[bool], in_place: bool, extra_tokens: int):
+    rows = len(lens)
+    src, dst, valid, num_slots = slot_plan(padded, in_place)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    tokens = int(cu[-1]) + extra_tokens
+    tok_seq = torch.searchsorted(cu[1:], torch.arange(tokens, device=DEVICE, dtype=torch.int32), right=True)
+    tok_valid = tok_seq < rows
+    tok_valid[tok_valid.clone()] = valid[tok_seq[tok_valid]]
+    return src, dst, valid, num_slots, cu, tokens, tok_valid
+
+
+VARLEN_CASES = [([1], [False]), ([2, 5, 1], [False, True, False]), ([37, 3, 130, 64], [False, False, False, True])]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lens,padded", VARLEN_CASES)
+@pytest.mark.parametrize("in_place", [False, True])
+def test_causal_conv1d_varlen(dtype: torch.dtype, lens: list[int], padded: list[bool], in_place: bool) -> None:
+    dim, width = 200, 4
+    src, dst, valid, num_slots, cu, tokens, tok_valid = _varlen_plan(lens, padded, in_place, extra_tokens=3)
+    states = randn(num_slots, dim, width - 1, dtype=dtype)
+    if not in_place:
+        states[dst[valid]] = float("nan")
+    x = randn(tokens, 3 * dim, dtype=dtype)[:, dim:2 * dim]
+    weight, bias = randn(dim, width, dtype=dtype), randn(dim, dtype=dtype)
+    expected_states = states.clone()
+    expected = ref.causal_conv1d_varlen(x, weight, bias, expected_states, cu, src, dst)
+    out = conv1d.causal_conv1d_varlen(x, weight, bias, states, cu, src, dst)
+    assert_close(out[tok_valid], expected[tok_valid], TOL[dtype])
+    assert (out[~tok_valid] == 0).all()
+    check_pool(states, expected_states, dst[valid], TOL[dtype])
+
+
+# ---------------------------------------------------------------- SSD / state update
+
+SSM_SHAPES = [(8, 16, 2, 32), (128, 64, 8, 128)]  # (heads, head_dim, groups, state)
+# The SSD tests keep head_dim 64 / state 128 (the models' values): fla autotunes per
+# (head_dim, state, dtype), about 1.5 minutes each on an H100.
+SSD_SHAPES = [(8, 64, 2, 128), (128, 64, 8, 128)]
+
+
+def _ssm_inputs(tokens: int, heads: int, head_dim: int, groups: int, state: int, dtype: torch.dtype):
+    x = randn(tokens, heads, head_dim, dtype=dtype)
+    dt = F.softplus(randn(tokens, heads) - 1.0)
+    a = -torch.exp(randn(heads, scale=0.5))
+    bc = randn(tokens, 2, groups, state, dtype=dtype)  # B and C as views of one buffer (strided)
+    d_skip = randn(heads)
+    return x, dt, a, bc[:, 0], bc[:, 1], d_skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 5, 64])
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("shape", SSM_SHAPES)
+def test_ssm_state_update(dtype: torch.dtype, batch: int, in_place: bool, shape: tuple[int, int, int, int]) -> None:
+    if INTERPRET and shape[0] > 8:
+        pytest.skip("too slow in the interpreter")
+    heads, head_dim, groups, state = shape
+    src, dst, valid, num_slots = slot_plan(every_third_padded(batch), in_place)
+    states = randn(num_slots, heads, head_dim, state, scale=0.5)
+    if not in_place:
+        states[dst[valid]] = float("nan")
+    x, dt, a, b, c, d_skip = _ssm_inputs(batch, heads, head_dim, groups, state, dtype)
+    expected_states = states.clone()
+    expected = ref.ssm_state_update(expected_states, x, dt, a, b, c, d_skip, src, dst)
+    out = ssm_update.ssm_state_update(states, x, dt, a, b, c, d_skip, src, dst)
+    assert_close(out[valid], expected[valid], TOL[dtype])
+    assert (out[~valid] == 0).all()
+    check_pool(states, expected_states, dst[valid], 1e-5)
+
+
+@pytest.mark.skipif(not HAS_FLA, reason="fla-core not installed (or interpreter run)")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lens,padded", VARLEN_CASES)
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("shape", SSD_SHAPES)
+def test_ssd_chunk_scan_varlen(dtype: torch.dtype, lens: list[int], padded: list[bool], in_place: bool,
+                               shape: tuple[int, int, int, int]) -> None:
+    from layers.kernels.triton import ssd
+
+    heads, head_dim, groups, state = shape
+    src, dst, valid, num_slots, cu, tokens, tok_valid = _varlen_plan(lens, padded, in_place, extra_tokens=2)
+    states = randn(num_slots, heads, head_dim, state, scale=0.5)
+    if not in_place:
+        states[dst[valid]] = float("nan")
+    x, dt, a, b, c, d_skip = _ssm_inputs(tokens, heads, head_dim, groups, state, dtype)
+    expected_states = states.clone()
+    expected = ref.ssd_chunk_scan_varlen(x, dt, a, b, c, d_skip, cu, expected_states, src, dst, 64)
+    out = ssd.ssd_chunk_scan_varlen(x, dt, a, b, c, d_skip, cu, states, src, dst, 128)
+    assert_close(out[tok_valid], expected[tok_valid], SSD_TOL[dtype])
+    assert (out[~tok_valid] == 0).all()
+    check_pool(states, expected_states, dst[valid], SSD_TOL[dtype])
+
+
+# ---------------------------------------------------------------- attention
+
+
+def _paged_case(q_lens: list[int], seq_lens: list[int], block_size: int, heads: int, kv_heads: int, head_dim: int,
+                dtype: torch.dtype):
+    """Cache filled with NaN except the keys each sequence owns; unused table entries point
+    at a NaN block, so any read past seq_len shows up as NaN."""
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 2
+    max_blocks = max(blocks_per_seq) + 1
+    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    perm = torch.randperm(num_blocks - 1, device=DEVICE)  # block num_blocks-1 stays NaN
+    tables = torch.full((len(seq_lens), max_blocks), num_blocks - 1, dtype=torch.int32, device=DEVICE)
+    used = 0
+    for s, (n, nb) in enumerate(zip(seq_lens, blocks_per_seq)):
+        tables[s, :nb] = perm[used:used + nb].int()
+        used += nb
+        slots = tables[s, torch.arange(n, device=DEVICE) // block_size].long() * block_size + \
+            torch.arange(n, device=DEVICE) % block_size
+        k_cache.view(-1, kv_heads, head_dim)[slots] = randn(n, kv_heads, head_dim, dtype=dtype)
+        v_cache.view(-1, kv_heads, head_dim)[slots] = randn(n, kv_heads, head_dim, dtype=dtype)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    q = randn(int(cu[-1]), heads, head_dim, dtype=dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    return q, k_cache, v_cache, tables, lens, cu
+
+
+ATTN_CASES = {
+    # name: (q_lens, seq_lens, num_decode)
+    "decode": ([1] * 8, [1, 16, 17, 64, 65, 300, 0, 1000], 8),
+    "mixed": ([1, 1, 1, 5, 64, 130], [33, 1, 0, 40, 64, 200], 3),
+    "prefill": ([1, 77, 3], [10, 77, 0], 0),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(ATTN_CASES))
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 128), (4, 4, 64)])
+def test_paged_attention(dtype: torch.dtype, case: str, block_size: int, heads: int, kv_heads: int,
+                         head_dim: int) -> None:
+    q_lens, seq_lens, num_decode = ATTN_CASES[case]
+    q, k_cache, v_cache, tables, lens, cu = _paged_case(q_lens, seq_lens, block_size, heads, kv_heads, head_dim, dtype)
+    scale = head_dim ** -0.5
+    expected = ref.paged_attention(q, k_cache, v_cache, tables, lens, cu, scale)
+    for max_q in (max(q_lens[num_decode:], default=1), None):
+        out = attention.paged_attention(q, k_cache, v_cache, tables, lens, cu, scale, max_seqlen_q=max_q,
+                                        num_decode=num_decode)
+        assert_close(out, expected, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_write_kv_cache(dtype: torch.dtype, block_size: int) -> None:
+    kv_heads, head_dim, num_blocks, tokens = 2, 96, 6, 20
+    k_cache = randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    v_cache = randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens]
+    slots[[0, 7, 19]] = -1
+    slots[1] = block_size - 1  # last offset of block 0, then the first of block 1
+    slots[2] = block_size
+    kv = randn(tokens, 2, kv_heads, head_dim, dtype=dtype)
+    k, v = kv[:, 0], kv[:, 1]
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    ref.write_kv_cache(k, v, expected_k, expected_v, slots)
+    attention.write_kv_cache(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+# ---------------------------------------------------------------- MoE
+
+
+def _moe_case(tokens: int, activation: str, dtype: torch.dtype, experts: int = 8, top_k: int = 2):
+    hidden, inter = 128, 96
+    allowed = torch.tensor([e for e in range(experts) if e not in (3, 6)], device=DEVICE)  # 3, 6: no tokens
+    ids = allowed[torch.rand(tokens, len(allowed), device=DEVICE).argsort(dim=1)[:, :top_k]]
+    weights = torch.softmax(randn(tokens, top_k), dim=-1)
+    up_rows = 2 * inter if activation == "swiglu" else inter
+    x = randn(tokens, hidden, dtype=dtype)
+    w_up = randn(experts, up_rows, hidden, dtype=dtype, scale=hidden ** -0.5)
+    w_down = randn(experts, hidden, inter, dtype=dtype, scale=inter ** -0.5)
+    return x, w_up, w_down, weights, ids
+
+
+def _grouped_mm_ok(dtype: torch.dtype) -> bool:
+    return DEVICE == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+@pytest.mark.parametrize("activation", ["relu2", "swiglu"])
+@pytest.mark.parametrize("torch_grouped_mm", [True, False])
+def test_moe_experts(dtype: torch.dtype, tokens: int, activation: str, torch_grouped_mm: bool) -> None:
+    if torch_grouped_mm and not _grouped_mm_ok(dtype):
+        pytest.skip("torch._grouped_mm path is bf16 on Hopper only")
+    x, w_up, w_down, weights, ids = _moe_case(tokens, activation, dtype)
+    expected = ref.moe_experts(x, w_up, w_down, weights, ids, activation)
+    out = moe.moe_experts_grouped(x, w_up, w_down, weights, ids, activation, torch_grouped_mm)
+    assert_close(out, expected, TOL[dtype])
+    assert_close(moe.moe_experts(x, w_up, w_down, weights, ids, activation), expected, TOL[dtype])
+
+
+# ---------------------------------------------------------------- backend / CUDA graphs
+
+
+def test_available_ops_has_every_family() -> None:
+    from layers.kernels import fast
+
+    expected = {"rms_norm", "gated_rms_norm", "causal_conv1d_varlen", "causal_conv1d_update", "ssm_state_update",
+                "write_kv_cache", "paged_attention", "moe_experts"}
+    if HAS_FLA:
+        expected.add("ssd_chunk_scan_varlen")
+    assert expected <= set(fast.available_ops())
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need CUDA")
+def test_decode_ops_capture_in_cuda_graph() -> None:
+    """One decode step's ops captured once, replayed on new inputs, checked against the reference."""
+    batch, heads, kv_heads, head_dim, block_size = 6, 8, 2, 128, 16
+    src, dst, valid, num_slots = slot_plan(every_third_padded(batch), in_place=False)
+    dim, width = 256, 4
+    conv_states = randn(num_slots, dim, width - 1, dtype=torch.bfloat16)
+    ssm_states = randn(num_slots, 8, 16, 32, scale=0.5)
+    conv_w = randn(dim, width, dtype=torch.bfloat16)
+    conv_x = randn(batch, dim, dtype=torch.bfloat16)
+    x, dt, a, b, c, d_skip = _ssm_inputs(batch, 8, 16, 2, 32, torch.bfloat16)
+    q, k_cache, v_cache, tables, lens, cu = _paged_case([1] * batch, [5, 70, 0, 16, 17, 33], block_size, heads,
+                                                        kv_heads, head_dim, torch.bfloat16)
+    mx, w_up, w_down, weights, ids = _moe_case(batch, "relu2", torch.bfloat16)
+    logits = randn(batch, 8)
+    bias = randn(8)
+
+    def step():
+        return (conv1d.causal_conv1d_update(conv_x, conv_w, None, conv_states, src, dst),
+                ssm_update.ssm_state_update(ssm_states, x, dt, a, b, c, d_skip, src, dst),
+                attention.paged_attention(q, k_cache, v_cache, tables, lens, cu, 0.1, max_seqlen_q=1, num_decode=batch),
+                moe.moe_experts(mx, w_up, w_down, weights, ids, "relu2"),
+                *ref.route_sigmoid_grouped(logits, bias, 2, 2, 1, True, 2.5),
+                *ref.route_softmax_topk(logits, 2))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+
+    for tensor in (conv_x, x, dt, b, c, q, mx, weights, logits):
+        tensor.copy_(torch.randn_like(tensor.float()).to(tensor.dtype))
+    lens.copy_(torch.tensor([9, 0, 100, 1, 48, 32], dtype=torch.int32, device=DEVICE))
+    ids.copy_(torch.stack([torch.randperm(8, device=DEVICE)[:2] for _ in range(batch)]))
+    conv_expected, ssm_expected = conv_states.clone(), ssm_states.clone()
+    expected = (ref.causal_conv1d_update(conv_x, conv_w, None, conv_expected, src, dst),
+                ref.ssm_state_update(ssm_expected, x, dt, a, b, c, d_skip, src, dst),
+                ref.paged_attention(q, k_cache, v_cache, tables, lens, cu, 0.1),
+                ref.moe_experts(mx, w_up, w_down, weights, ids, "relu2"),
+                *ref.route_sigmoid_grouped(logits, bias, 2, 2, 1, True, 2.5),
+                *ref.route_softmax_topk(logits, 2))
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(outs[:4], expected[:4]):
+        assert_close(got.float(), want.float(), 1e-2)
+    assert_close(outs[4].sort(1)[0], expected[4].sort(1)[0], 1e-5)
+    assert torch.equal(outs[5].sort(1)[0], expected[5].sort(1)[0])
+    assert torch.equal(outs[7], expected[7])
+    check_pool(conv_states, conv_expected, dst[valid], 1e-2)
+    check_pool(ssm_states, ssm_expected, dst[valid], 1e-5)
