@@ -28,22 +28,22 @@ class EngineConfig:
     def resolve(self) -> "EngineConfig":
         """Validate and fill device-dependent defaults (raises ValueError naming the field)."""
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if torch.device(device).type not in ("cuda", "cpu"):
-            raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+        if not isinstance(device, str) or device.split(":")[0] not in ("cuda", "cpu"):
+            raise ValueError(f"device must be 'cuda', 'cuda:N' or 'cpu', got {device!r}")
         if torch.device(device).type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA device is available")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         on_gpu = torch.device(device).type == "cuda"
-        max_num_seqs = self.max_num_seqs or (256 if on_gpu else 16)
+        max_num_seqs = _default(self.max_num_seqs, 256 if on_gpu else 16)
         resolved = EngineConfig(
             **{**self.__dict__,
                "device": device,
                "dtype": self.dtype if self.dtype != "auto" else ("bfloat16" if on_gpu else "float32"),
                "cuda_graphs": self.cuda_graphs and on_gpu,
                "max_num_seqs": max_num_seqs,
-               "max_num_batched_tokens": self.max_num_batched_tokens or max(2048, max_num_seqs),
-               "kv_block_size": self.kv_block_size or (64 if on_gpu else 16)}
+               "max_num_batched_tokens": _default(self.max_num_batched_tokens, max(2048, max_num_seqs)),
+               "kv_block_size": _default(self.kv_block_size, 64 if on_gpu else 16)}
         )
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_block_size"):
             value = getattr(resolved, name)
@@ -51,6 +51,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if resolved.max_num_batched_tokens < resolved.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every decode row needs a token)")
+        if resolved.max_model_len is not None and (not isinstance(resolved.max_model_len, int)
+                                                   or resolved.max_model_len <= 0):
+            raise ValueError(f"max_model_len must be a positive integer, got {resolved.max_model_len!r}")
         if resolved.num_kv_blocks is not None and resolved.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {resolved.num_kv_blocks}")
         if not 0.0 < resolved.gpu_memory_utilization <= 1.0:
@@ -62,3 +65,8 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+
+def _default(value, default):
+    """`value` unless it was left unset (None); an explicit 0 stays 0 and fails validation."""
+    return default if value is None else value

@@ -45,11 +45,17 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts")
         ids = []
-        for prompt, params in zip(prompts, params_list):
-            request_id = f"generate-{self._next_id}"
-            self._next_id += 1
-            self.engine.add_request(request_id, prompt, params)
-            ids.append(request_id)
+        try:
+            for prompt, params in zip(prompts, params_list):
+                request_id = f"generate-{self._next_id}"
+                self._next_id += 1
+                self.engine.add_request(request_id, prompt, params)
+                ids.append(request_id)
+        except ValueError:
+            for request_id in ids:  # all or nothing: don't leave earlier prompts queued
+                self.engine.abort_request(request_id)
+            self.engine.step()  # collect the aborts so no output leaks into a later call
+            raise
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
         start, generated = time.perf_counter(), 0

@@ -88,7 +88,7 @@ class ModelRunner:
         # Host block table per request slot, grown incrementally (a step gathers its rows).
         self._block_table = torch.zeros(self.max_seqs, self.max_blocks_per_seq, dtype=torch.int32)
         self._block_table_len = [0] * self.max_seqs
-        self._block_table_owner: list[Request | None] = [None] * self.max_seqs
+        self._block_table_owner: list[list[int] | None] = [None] * self.max_seqs
         # Token history per request slot, written on device from each step's inputs
         # (idempotent: position p always holds the same token), read for penalties.
         self._history = torch.zeros(self.max_seqs, max_model_len, dtype=torch.int64, device=device)
@@ -117,9 +117,14 @@ class ModelRunner:
         return base + parity, base + 1 - parity
 
     def _sync_block_table(self, request: Request) -> None:
+        """Copy the request's newly allocated block ids into its slot's host table row.
+
+        The row is keyed by the request's block *list object*: freeing blocks (finish,
+        eviction) gives the request a new list, so a readmitted request rewrites its row.
+        """
         slot = request.seq_slot
-        if self._block_table_owner[slot] is not request:
-            self._block_table_owner[slot], self._block_table_len[slot] = request, 0
+        if self._block_table_owner[slot] is not request.blocks:
+            self._block_table_owner[slot], self._block_table_len[slot] = request.blocks, 0
         known, blocks = self._block_table_len[slot], request.blocks
         if len(blocks) > known:
             self._block_table[slot, known:len(blocks)] = torch.tensor(blocks[known:], dtype=torch.int32)

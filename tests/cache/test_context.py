@@ -1,0 +1,109 @@
+"""StepBuffer: every field lives at an aligned, non-overlapping offset of one host byte
+buffer mirrored into one device buffer of the same layout; one sync = one copy."""
+import pytest
+import torch
+
+from cache.context import StepBuffer
+
+T, S, MB = 24, 5, 7
+PER_TOKEN = ["input_ids", "positions", "slot_mapping", "prompt_token_mask"]
+PER_SEQ = ["mamba_src", "mamba_dst", "logits_indices", "seeds", "output_pos", "seq_lens", "top_k",
+           "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"]
+
+
+def make(device="cpu"):
+    return StepBuffer(T, S, MB, torch.device(device))
+
+
+def _layout(views):
+    """name -> (byte offset in its storage, byte length, element size); one storage for all."""
+    storages = {v.untyped_storage().data_ptr() for v in views.values()}
+    assert len(storages) == 1, "fields live in more than one buffer"
+    base = storages.pop()
+    return {n: (v.data_ptr() - base, v.numel() * v.element_size(), v.element_size()) for n, v in views.items()}
+
+
+@pytest.mark.parametrize("side", ["host", "device"])
+def test_layout_aligned_and_non_overlapping(side):
+    buf = make()
+    views = getattr(buf, side)
+    layout = _layout(views)
+    spans = sorted((off, off + size, name) for name, (off, size, _) in layout.items())
+    for name, (off, size, itemsize) in layout.items():
+        assert off % itemsize == 0, f"{name} at offset {off} is not aligned to {itemsize}"
+        assert 0 <= off and off + size <= buf.nbytes, name
+        assert views[name].is_contiguous(), name
+    for (s0, e0, n0), (s1, e1, n1) in zip(spans, spans[1:]):
+        assert e0 <= s1, f"{n0} overlaps {n1}"
+    assert sum(size for _, size, _ in layout.values()) == buf.nbytes  # packed, no padding
+    assert views["input_ids"].untyped_storage().nbytes() == buf.nbytes
+
+
+def test_field_shapes_match_between_host_and_device():
+    buf = make()
+    assert set(buf.host) == set(buf.device)
+    for name in buf.host:
+        assert buf.host[name].shape == buf.device[name].shape and buf.host[name].dtype == buf.device[name].dtype
+    for name in PER_TOKEN:
+        assert buf.host[name].shape == (T,), name
+    for name in PER_SEQ:
+        assert buf.host[name].shape == (S,), name
+    assert buf.host["cu_seqlens_q"].shape == (S + 1,)
+    assert buf.host["block_tables"].shape == (S, MB)
+    assert buf.host["prompt_token_mask"].dtype == torch.bool
+    assert buf.host["input_ids"].dtype == torch.int64 and buf.host["temperature"].dtype == torch.float32
+
+
+def test_host_and_device_are_separate_storages():
+    buf = make()
+    assert buf.host["input_ids"].untyped_storage().data_ptr() != buf.device["input_ids"].untyped_storage().data_ptr()
+
+
+def _fill_random(views, gen):
+    for name, v in views.items():
+        if v.dtype == torch.bool:
+            v.copy_(torch.randint(0, 2, v.shape, generator=gen).bool())
+        elif v.dtype.is_floating_point:
+            v.copy_(torch.randn(v.shape, generator=gen))
+        else:
+            v.copy_(torch.randint(-(2**31), 2**31 - 1, v.shape, generator=gen).to(v.dtype))
+
+
+def test_round_trip_every_field():
+    buf = make()
+    gen = torch.Generator().manual_seed(0)
+    for step in range(3):
+        host = buf.host  # the host buffer the next step is written into
+        _fill_random(host, gen)
+        expected = {n: v.clone() for n, v in host.items()}
+        before = buf.num_syncs
+        buf.sync()
+        assert buf.num_syncs == before + 1
+        for name, value in expected.items():
+            assert torch.equal(buf.device[name].cpu(), value), (step, name)
+
+
+def test_fields_do_not_clobber_each_other():
+    """Writing one field's whole view leaves every other field's bytes unchanged."""
+    buf = make()
+    gen = torch.Generator().manual_seed(1)
+    host = buf.host
+    _fill_random(host, gen)
+    for name, v in host.items():
+        others = {n: o.clone() for n, o in host.items() if n != name}
+        v.view(torch.uint8).fill_(0xAB) if v.dtype != torch.bool else v.fill_(True)
+        for n, o in others.items():
+            assert torch.equal(host[n], o), f"writing {name} changed {n}"
+
+
+@pytest.mark.gpu
+def test_cuda_host_buffer_is_pinned_and_mirrors():
+    buf = make("cuda")
+    assert buf.host["input_ids"].is_pinned()
+    assert buf.device["input_ids"].is_cuda
+    _fill_random(buf.host, torch.Generator().manual_seed(2))
+    expected = {n: v.clone() for n, v in buf.host.items()}
+    buf.sync()
+    torch.cuda.synchronize()
+    for name, value in expected.items():
+        assert torch.equal(buf.device[name].cpu(), value), name

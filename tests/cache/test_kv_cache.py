@@ -1,0 +1,92 @@
+"""KVBlockAllocator: exact free counts, O(1) allocate/free, exhaustion, storage layout."""
+import time
+
+import pytest
+import torch
+
+from cache.kv_cache import KVBlockAllocator
+
+
+def make(num_blocks=10, block_size=4, layers=2, heads=2, head_dim=8, dtype=torch.float32):
+    return KVBlockAllocator(num_blocks, block_size, layers, heads, head_dim, dtype, torch.device("cpu"))
+
+
+def test_allocate_free_exact_counts():
+    kv = make(10)
+    assert kv.num_free == kv.num_blocks == 10
+    a = kv.allocate(3)
+    b = kv.allocate(4)
+    assert kv.num_free == 3
+    assert len(a) == 3 and len(b) == 4 and len(set(a + b)) == 7
+    assert all(0 <= x < 10 for x in a + b)
+    kv.free(a)
+    assert kv.num_free == 6
+    c = kv.allocate(6)
+    assert kv.num_free == 0 and not set(c) & set(b) and len(set(c)) == 6
+    assert sorted(b + c) == list(range(10))
+    kv.free(b)
+    kv.free(c)
+    assert kv.num_free == 10
+    assert kv.allocate(0) == [] and kv.num_free == 10
+
+
+def test_exhaustion_raises_and_changes_nothing():
+    kv = make(5)
+    held = kv.allocate(4)
+    with pytest.raises(RuntimeError, match="exhausted"):
+        kv.allocate(2)
+    assert kv.num_free == 1
+    assert kv.allocate(1)[0] not in held
+    with pytest.raises(RuntimeError):
+        kv.allocate(1)
+
+
+def test_most_recently_freed_reused_first():
+    kv = make(8)
+    a = kv.allocate(3)
+    kv.allocate(2)
+    kv.free(a)
+    assert sorted(kv.allocate(3)) == sorted(a)
+
+
+def test_blocks_for():
+    kv = make(block_size=16)
+    assert [kv.blocks_for(n) for n in (0, 1, 15, 16, 17, 32, 33)] == [0, 1, 1, 1, 2, 2, 3]
+
+
+@pytest.mark.parametrize("bad", [(0, 16), (-1, 16), (4, 0)])
+def test_rejects_non_positive_sizes(bad):
+    with pytest.raises(ValueError):
+        make(num_blocks=bad[0], block_size=bad[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_storage_shapes_and_bytes(dtype):
+    kv = make(num_blocks=6, block_size=4, layers=3, heads=2, head_dim=8, dtype=dtype)
+    assert len(kv.kv_caches) == 3
+    total = 0
+    for k, v in kv.kv_caches:
+        for t in (k, v):
+            assert t.shape == (6, 4, 2, 8) and t.dtype == dtype and not t.any()
+            total += t.numel() * t.element_size()
+        assert k.data_ptr() != v.data_ptr()
+    assert total == 6 * KVBlockAllocator.bytes_per_block(4, 3, 2, 8, dtype)
+
+
+def _time_churn(kv, rounds=20000):
+    start = time.perf_counter()
+    for _ in range(rounds):
+        kv.free(kv.allocate(2))
+    return time.perf_counter() - start
+
+
+def test_allocate_free_cost_independent_of_pool_size():
+    """O(1): churning 2 blocks costs the same in a pool of 100 and of 1,000,000 blocks
+    (a scan of the free list would be ~10^4 times slower in the big pool)."""
+    small = KVBlockAllocator(100, 16, 0, 1, 1, torch.float32, torch.device("cpu"))
+    big = KVBlockAllocator(1_000_000, 16, 0, 1, 1, torch.float32, torch.device("cpu"))
+    big.allocate(500_000)  # a half-full pool
+    t_small = min(_time_churn(small) for _ in range(3))
+    t_big = min(_time_churn(big) for _ in range(3))
+    assert t_big < 5 * t_small + 0.05, (t_small, t_big)
+    assert big.num_free == 500_000 and small.num_free == 100

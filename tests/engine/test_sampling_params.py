@@ -1,0 +1,193 @@
+"""Request validation through `LLMEngine.add_request` (ValueError naming the field, nothing
+changed, engine keeps serving) and the sampling knobs end to end: penalties / top-k / top-p /
+min-p change outputs, stay deterministic with a seed, and are batch-independent."""
+import pytest
+
+from hybrid_engine import SamplingParams
+from tests.engine.engine_helpers import assert_drained, assert_mode_ran, byte_prompt, drive, greedy, seeded
+
+OK_PROMPT = byte_prompt(8, 1)
+
+BAD_PARAMS = [
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 2.5}, "max_tokens"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"top_k": -1}, "top_k"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"presence_penalty": 3.0}, "presence_penalty"),
+    ({"seed": -1}, "seed"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"stop_token_ids": [-3]}, "stop_token_ids"),
+    ({"stop": 5}, "stop"),
+    ({"max_tokens": 4, "bogus_knob": 1}, "bogus_knob"),
+]
+
+
+@pytest.fixture
+def busy_engine(make_llm):
+    """An engine with a good request already mid-flight (so validation failures happen while
+    it serves), small KV pool (8 blocks x 16 = 128 tokens) and max_model_len 100."""
+    llm = make_llm(max_num_seqs=4, num_kv_blocks=8, kv_block_size=16, max_model_len=100)
+    eng = llm.engine
+    eng.add_request("good", OK_PROMPT, greedy(20))
+    eng.step()
+    eng.step()
+    return eng
+
+
+def _assert_rejected(eng, request_id, prompt, params, field):
+    before = {k: v for k, v in eng.stats().items()}
+    with pytest.raises(ValueError, match=field):
+        eng.add_request(request_id, prompt, params)
+    assert request_id not in eng.requests
+    assert eng.stats() == before
+
+
+@pytest.mark.parametrize("params,field", BAD_PARAMS, ids=[f for _, f in BAD_PARAMS])
+def test_bad_params_rejected_and_engine_keeps_serving(busy_engine, solo, params, field):
+    eng = busy_engine
+    _assert_rejected(eng, "bad", OK_PROMPT, params, field)
+    # The rejected id is free again, and everyone is served correctly.
+    eng.add_request("bad", OK_PROMPT, seeded(6, seed=1))
+    run = drive(eng, [(0, "late", byte_prompt(9, 2), greedy(10))])
+    assert run.finals["good"].output_token_ids == solo(OK_PROMPT, greedy(20)).output_token_ids
+    assert run.finals["bad"].output_token_ids == solo(OK_PROMPT, seeded(6, seed=1)).output_token_ids
+    assert run.finals["late"].output_token_ids == solo(byte_prompt(9, 2), greedy(10)).output_token_ids
+    assert_drained(eng)
+
+
+@pytest.mark.parametrize("params,field", BAD_PARAMS[:-1], ids=[f for _, f in BAD_PARAMS[:-1]])
+def test_sampling_params_constructor_validates(params, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**params)
+
+
+BAD_PROMPTS = [
+    ("", "prompt"),
+    ([], "prompt"),
+    ([5, 261], r"prompt.*261"),  # vocab is 261: ids 0..260
+    ([5, -1], "prompt"),
+    ([5, 1.5], "prompt"),
+    ([5, True], "prompt"),
+    (byte_prompt(90), "max_tokens"),  # 90 + 20 > max_model_len 100
+]
+
+
+@pytest.mark.parametrize("prompt,field", BAD_PROMPTS, ids=["empty_str", "empty_ids", "oov", "negative",
+                                                           "float", "bool", "too_long"])
+def test_bad_prompts_rejected(busy_engine, solo, prompt, field):
+    eng = busy_engine
+    _assert_rejected(eng, "bad", prompt, greedy(20), field)
+    run = drive(eng, [])
+    assert run.finals["good"].output_token_ids == solo(OK_PROMPT, greedy(20)).output_token_ids
+    assert_drained(eng)
+
+
+def test_prompt_beyond_kv_capacity_rejected(make_llm):
+    """Fits max_model_len (4096) but not the whole KV pool (4 blocks x 16 = 64 tokens)."""
+    eng = make_llm(max_num_seqs=2, num_kv_blocks=4, kv_block_size=16).engine
+    _assert_rejected(eng, "big", byte_prompt(50), greedy(20), "KV|max_tokens")
+    eng.add_request("fits", byte_prompt(44), greedy(20))  # 64 tokens: exactly the pool
+    out = drive(eng, []).finals["fits"]
+    assert out.finish_reason == "length" and len(out.output_token_ids) == 20
+    assert_drained(eng)
+
+
+def test_bad_request_id_and_params_type(busy_engine):
+    eng = busy_engine
+    before = eng.stats()
+    with pytest.raises(ValueError, match="request_id"):  # in use
+        eng.add_request("good", OK_PROMPT, greedy(4))
+    assert eng.stats() == before and eng.requests["good"].params.max_tokens == 20
+    with pytest.raises(ValueError, match="request_id"):
+        eng.add_request("", OK_PROMPT, greedy(4))
+    with pytest.raises(ValueError, match="params"):
+        eng.add_request("x", OK_PROMPT, 42)
+    drive(eng, [])
+    assert_drained(eng)
+
+
+# ---- the knobs, end to end -------------------------------------------------------------
+KNOBS = {
+    "repetition_penalty": dict(repetition_penalty=1.8),
+    "presence_penalty": dict(presence_penalty=1.5),
+    "frequency_penalty": dict(frequency_penalty=1.5),
+    "top_k": dict(top_k=3),
+    "top_p": dict(top_p=0.3),
+    "min_p": dict(min_p=0.9),  # the random model's distributions are nearly flat
+}
+N_TOKENS = 32
+
+
+def _knob_params(knob, seed=11, temperature=1.0):
+    return SamplingParams(max_tokens=N_TOKENS, temperature=temperature, seed=seed, ignore_eos=True, **KNOBS[knob])
+
+
+def _plain(seed=11, temperature=1.0):
+    return SamplingParams(max_tokens=N_TOKENS, temperature=temperature, seed=seed, ignore_eos=True)
+
+
+@pytest.mark.parametrize("knob", sorted(KNOBS))
+def test_knob_changes_output_and_is_deterministic(make_llm, knob):
+    prompts = [byte_prompt(12, s) for s in range(3)]
+    llm = make_llm(max_num_seqs=3)
+    base = llm.generate(prompts, _plain(), use_tqdm=False)
+    with_knob = llm.generate(prompts, _knob_params(knob), use_tqdm=False)
+    again = make_llm(max_num_seqs=1).generate(prompts, _knob_params(knob), use_tqdm=False)
+    assert [o.output_token_ids for o in with_knob] == [o.output_token_ids for o in again]
+    assert any(a.output_token_ids != b.output_token_ids for a, b in zip(base, with_knob)), knob
+    if knob.endswith("penalty"):  # penalties also act on greedy decoding
+        g = llm.generate(prompts, _plain(temperature=0.0), use_tqdm=False)
+        gk = llm.generate(prompts, _knob_params(knob, temperature=0.0), use_tqdm=False)
+        assert any(a.output_token_ids != b.output_token_ids for a, b in zip(g, gk)), knob
+
+
+@pytest.mark.parametrize("narrow", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)],
+                         ids=["top_k1", "top_p_tiny", "min_p1"])
+def test_degenerate_filters_equal_greedy(make_llm, solo, narrow):
+    """Filters that keep only the top token turn seeded sampling into greedy decoding."""
+    prompt = byte_prompt(15, 4)
+    params = SamplingParams(max_tokens=N_TOKENS, temperature=1.3, seed=5, ignore_eos=True, **narrow)
+    out = make_llm(max_num_seqs=1).generate([prompt], params, use_tqdm=False)[0]
+    assert out.output_token_ids == solo(prompt, greedy(N_TOKENS)).output_token_ids
+
+
+def test_seed_matters_and_greedy_ignores_it(make_llm):
+    prompt = byte_prompt(10, 9)
+    llm = make_llm(max_num_seqs=4)
+    a, b, g1, g2 = llm.generate([prompt] * 4, [_plain(seed=1), _plain(seed=2), greedy(N_TOKENS, seed=1),
+                                               greedy(N_TOKENS, seed=2)], use_tqdm=False)
+    assert a.output_token_ids != b.output_token_ids
+    assert g1.output_token_ids == g2.output_token_ids
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "async"])
+def test_mixed_params_batch_equals_solo(make_llm, solo, async_scheduling):
+    """Every request's tokens are those of its solo run, batched with others using different
+    params (penalties force the penalty path on the whole batch, logprobs on others)."""
+    work = [(i // 2, knob, byte_prompt(6 + 5 * i, 20 + i), _knob_params(knob, seed=30 + i))
+            for i, knob in enumerate(sorted(KNOBS))]
+    work += [
+        (1, "greedy", byte_prompt(17, 40), greedy(N_TOKENS)),
+        (2, "plain", byte_prompt(23, 41), _plain(seed=3)),
+        (3, "logprobs", byte_prompt(9, 42), SamplingParams(max_tokens=N_TOKENS, temperature=0.7, seed=4,
+                                                           ignore_eos=True, logprobs=4)),
+        (4, "greedy_rep", byte_prompt(30, 43), greedy(N_TOKENS, repetition_penalty=1.3, frequency_penalty=0.4)),
+    ]
+    llm = make_llm(max_num_seqs=len(work), max_num_batched_tokens=24, async_scheduling=async_scheduling)
+    run = drive(llm.engine, work)
+    for _, rid, prompt, params in work:
+        ref = solo(prompt, params)
+        assert run.finals[rid].output_token_ids == ref.output_token_ids, rid
+    ref_lp = solo(work[-2][2], work[-2][3]).logprobs
+    got_lp = run.finals["logprobs"].logprobs
+    assert [sorted(d) for d in got_lp] == [sorted(d) for d in ref_lp]
+    for got, ref in zip(got_lp, ref_lp):
+        for tok, lp in ref.items():
+            assert got[tok] == pytest.approx(lp, abs=1e-4)
+    assert_mode_ran(llm.engine)
+    assert_drained(llm.engine)
