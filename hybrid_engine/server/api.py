@@ -1,0 +1,94 @@
+"""The FastAPI application: routes, lifespan, and client-disconnect handling."""
+import asyncio
+import contextlib
+from typing import Awaitable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import Response
+
+from hybrid_engine.server.async_llm import AsyncLLM
+from hybrid_engine.server.chat import ChatHandler
+from hybrid_engine.server.completions import CompletionsHandler
+from hybrid_engine.server.errors import install_error_handlers
+from hybrid_engine.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+
+# nginx's "client closed request": logged, never seen by the (gone) client.
+CLIENT_CLOSED_REQUEST = 499
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client hangs up (call only after the body was read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+    """Run `work`, cancelling it if the client disconnects first.
+
+    A non-streamed response is produced only at the end, so without this a client that
+    gave up would keep its engine request generating (and holding KV blocks and a
+    Mamba slot) until max_tokens. Cancelling runs the handler's cleanup, which aborts
+    the engine requests. (Streamed bodies are cancelled by Starlette itself.)
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return task.result()
+
+
+def build_app(llm: AsyncLLM, served_model_name: str | None = None) -> FastAPI:
+    """The OpenAI-compatible app over `llm`; the app's shutdown stops the engine thread."""
+    model_name = served_model_name or llm.info.model_name
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        # Runs after uvicorn drained (or cancelled) the open requests: abort what is
+        # left in the engine and stop its thread, off the event loop.
+        await asyncio.to_thread(llm.shutdown)
+
+    app = FastAPI(title="hybrid-engine OpenAI-compatible server", lifespan=lifespan)
+    install_error_handlers(app)
+    completions = CompletionsHandler(llm, model_name)
+    chat = ChatHandler(llm, model_name)
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        """OpenAI completions (text or token-id prompts)."""
+        return await cancel_on_disconnect(request, completions.create(body))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        """OpenAI chat completions."""
+        return await cancel_on_disconnect(request, chat.create(body))
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        """The one served model."""
+        card = ModelCard(id=model_name, root=llm.info.model_name, max_model_len=llm.info.max_request_tokens)
+        return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 while the engine thread serves, 503 otherwise."""
+        if llm.healthy:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "engine not running"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus metrics."""
+        return Response(generate_latest(llm.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

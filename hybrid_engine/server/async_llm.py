@@ -1,0 +1,374 @@
+"""AsyncLLM: the engine loop on its own thread, requests and outputs on asyncio.
+
+`LLMEngine` is synchronous and not thread-safe. Rather than lock it, exactly one thread
+(the engine thread, which also builds it) ever touches it: the event loop sends
+commands (add, abort, stop) through a thread-safe queue that the engine thread drains
+between steps, and the engine thread hands each step's outputs back to the waiting
+coroutines with `loop.call_soon_threadsafe`. The event loop thus never blocks on a
+model step, and the engine never waits on HTTP.
+
+Failure containment: a request the engine refuses fails alone (ValueError -> 400,
+anything else -> 500); if a whole `step()` raises, every in-flight request fails with
+the error, the engine is told to abort them, and the loop keeps serving new requests.
+"""
+import asyncio
+import concurrent.futures
+import copy
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from hybrid_engine.engine import LLMEngine
+from hybrid_engine.request import RequestOutput
+from hybrid_engine.sampling_params import SamplingParams
+from hybrid_engine.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+# After a failed step, wait this long (doubling per consecutive failure, capped) before
+# stepping again, so a persistently broken engine logs errors instead of spinning a core.
+_FAILURE_BACKOFF_S = 0.01
+_FAILURE_BACKOFF_MAX_S = 1.0
+
+
+class QueueFull(Exception):
+    """The server already holds as many requests as it admits (answered with 429)."""
+
+
+class EngineUnavailable(Exception):
+    """The engine thread is stopped or stopping (answered with 503)."""
+
+
+class RequestFailed(Exception):
+    """A request ended with an error instead of a finish reason (answered with 500)."""
+
+    def __init__(self, request_id: str, message: str):
+        super().__init__(message)
+        self.request_id = request_id
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the HTTP layer needs to know about the engine, read once at start-up."""
+
+    model_name: str
+    tokenizer: Any | None  # the front end's own copy (see AsyncLLM._describe)
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    kv_block_size: int
+    total_kv_blocks: int
+    device: str
+    dtype: str
+    kernels: str
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens the whole KV cache holds."""
+        return self.total_kv_blocks * self.kv_block_size
+
+    @property
+    def max_request_tokens(self) -> int:
+        """Largest prompt + output of one request: the context and the cache both bound it."""
+        return min(self.max_model_len, self.kv_tokens)
+
+
+@dataclass
+class _Route:
+    """Where a request's outputs go: an asyncio queue on a given event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+@dataclass
+class _Add:
+    request_ids: list[str]
+    requests: list[tuple[list[int], SamplingParams]]
+    route: _Route
+    accepted: concurrent.futures.Future
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+class _Stop:
+    pass
+
+
+class Generation:
+    """The outputs of one API call's engine requests (one per prompt), as they come.
+
+    Iterate for `(prompt index, RequestOutput)` pairs until every request finished;
+    a request that errors raises `RequestFailed`. Always `close()` (idempotent): it
+    aborts whatever has not finished, e.g. when the client went away.
+    """
+
+    def __init__(self, llm: "AsyncLLM", request_ids: list[str], outputs: asyncio.Queue):
+        self._llm, self._outputs = llm, outputs
+        self._index = {rid: i for i, rid in enumerate(request_ids)}
+        self._unfinished = set(request_ids)
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yield (prompt index, output) as the engine thread delivers them."""
+        while self._unfinished:
+            item = await self._outputs.get()
+            if isinstance(item, RequestFailed):
+                self._unfinished.discard(item.request_id)
+                raise item
+            if item.finished:
+                self._unfinished.discard(item.request_id)
+                if item.finish_reason == "error":
+                    raise RequestFailed(item.request_id, item.error or "the engine failed this request")
+            yield self._index[item.request_id], item
+
+    def close(self) -> None:
+        """Abort the requests that have not finished (they free their blocks and slot)."""
+        if self._unfinished:
+            self._llm.abort(sorted(self._unfinished))
+            self._unfinished.clear()
+
+
+class AsyncLLM:
+    """Runs an `LLMEngine` on a dedicated thread and serves it to asyncio code.
+
+    `engine_factory` is called on the engine thread (so the engine, its device state
+    and any thread-local settings live there). The constructor returns once the
+    engine is built, re-raising its construction error. At most
+    `max_num_seqs + max_waiting_requests` requests are in flight; beyond that
+    `submit` raises `QueueFull`.
+    """
+
+    def __init__(self, engine_factory: Callable[[], LLMEngine], max_waiting_requests: int = 256):
+        if max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests}")
+        self.max_waiting_requests = max_waiting_requests
+        self.metrics = ServerMetrics(lambda: self.stats)
+        self.info: EngineInfo
+        self.stats: dict[str, int] = {}  # the latest engine.stats() plus in_flight, replaced whole
+        self._commands: queue.Queue = queue.Queue()
+        self._routes: dict[str, _Route] = {}  # engine thread only
+        self._stopping = False
+        self._lock = threading.Lock()  # orders "queue a submit" against "engine thread exits"
+        self._ready = threading.Event()
+        self._init_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, args=(engine_factory,), name="engine-loop", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._init_error is not None:
+            raise self._init_error
+
+    @property
+    def max_in_flight(self) -> int:
+        """Requests admitted at once: the running batch plus the bounded waiting queue."""
+        return self.info.max_num_seqs + self.max_waiting_requests
+
+    @property
+    def healthy(self) -> bool:
+        """True while the engine thread runs and accepts requests."""
+        return self._thread.is_alive() and not self._stopping
+
+    # ---- event-loop side -------------------------------------------------------------
+    async def submit(self, request_id: str, requests: list[tuple[list[int], SamplingParams]]) -> Generation:
+        """Queue one engine request per (prompt token ids, params); returns once the engine took them.
+
+        Raises ValueError (invalid request, nothing queued), QueueFull, EngineUnavailable,
+        or whatever else `add_request` raised. Engine request ids are `{request_id}-{i}`.
+        """
+        request_ids = [f"{request_id}-{i}" for i in range(len(requests))]
+        route = _Route(asyncio.get_running_loop(), asyncio.Queue())
+        accepted: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if not self.healthy:
+                raise EngineUnavailable("the engine is not running")
+            self._commands.put(_Add(request_ids, requests, route, accepted))
+        try:
+            await asyncio.wrap_future(accepted)
+        except asyncio.CancelledError:
+            # The caller went away while the engine was adding: undo (a no-op if the add
+            # was cancelled before it started).
+            self.abort(request_ids)
+            raise
+        return Generation(self, request_ids, route.queue)
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Ask the engine thread to abort these requests (thread-safe, idempotent)."""
+        self._commands.put(_Abort(request_ids))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort everything in flight, stop the engine thread and wait for it (idempotent)."""
+        with self._lock:
+            if not self._stopping:
+                self._stopping = True
+                self._commands.put(_Stop())
+        self._thread.join(timeout)
+
+    # ---- engine thread ---------------------------------------------------------------
+    def _main(self, engine_factory: Callable[[], LLMEngine]) -> None:
+        try:
+            engine = engine_factory()
+            self.info = self._describe(engine)
+            self._publish_stats(engine)
+        except BaseException as exc:  # noqa: BLE001 -- handed to the constructing thread
+            self._init_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._loop(engine)
+        finally:
+            self._close(engine)
+
+    @staticmethod
+    def _describe(engine: LLMEngine) -> EngineInfo:
+        stats = engine.stats()
+        # The HTTP side tokenizes prompts and decodes logprob tokens on the event loop; a
+        # private copy keeps it from ever sharing the tokenizer object with the engine
+        # thread (HF fast tokenizers can raise "Already borrowed" under concurrent use).
+        tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
+        cfg = engine.config
+        return EngineInfo(
+            model_name=engine.model_name, tokenizer=tokenizer, vocab_size=engine.model_config.vocab_size,
+            max_model_len=engine.max_model_len, max_num_seqs=stats["total_mamba_slots"],
+            kv_block_size=cfg.kv_block_size, total_kv_blocks=stats["total_kv_blocks"], device=str(cfg.device),
+            dtype=cfg.dtype, kernels=engine.kernels.name,
+        )
+
+    def _loop(self, engine: LLMEngine) -> None:
+        """Commands, then a step, until told to stop; no exception ends the loop."""
+        failures = 0
+        while True:
+            try:
+                if not self._run_commands(engine, block=not engine.has_unfinished_requests()):
+                    return
+                ok = self._step(engine) if engine.has_unfinished_requests() else True
+                self._publish_stats(engine)
+            except Exception:  # a bug outside the step itself: log it, keep serving
+                logger.exception("error in the engine loop")
+                ok = False
+            failures = 0 if ok else failures + 1
+            if failures:
+                time.sleep(min(_FAILURE_BACKOFF_S * 2 ** (failures - 1), _FAILURE_BACKOFF_MAX_S))
+
+    def _run_commands(self, engine: LLMEngine, block: bool) -> bool:
+        """Apply queued commands (waiting for one if `block`); False once told to stop."""
+        while True:
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if isinstance(command, _Stop):
+                return False
+            if isinstance(command, _Add):
+                self._add(engine, command)
+            else:
+                for request_id in command.request_ids:
+                    if request_id in self._routes:
+                        engine.abort_request(request_id)
+
+    def _add(self, engine: LLMEngine, command: _Add) -> None:
+        if not command.accepted.set_running_or_notify_cancel():
+            return  # the caller stopped waiting before we got here
+        if len(self._routes) + len(command.request_ids) > self.max_in_flight:
+            self.metrics.queue_full.inc()
+            command.accepted.set_exception(QueueFull(
+                f"the server is at capacity ({len(self._routes)} requests in flight, at most {self.max_in_flight}); "
+                f"retry later"))
+            return
+        added: list[str] = []
+        try:
+            for request_id, (prompt, params) in zip(command.request_ids, command.requests):
+                engine.add_request(request_id, prompt, params)
+                added.append(request_id)
+        except Exception as exc:
+            if not isinstance(exc, ValueError):
+                logger.exception("add_request failed for %s", command.request_ids[len(added)])
+            for request_id in added:  # all of an API call's prompts run, or none
+                engine.abort_request(request_id)
+            command.accepted.set_exception(exc)
+            return
+        for request_id, (prompt, _) in zip(command.request_ids, command.requests):
+            self._routes[request_id] = command.route
+            self.metrics.prompt_tokens.inc(len(prompt))
+        command.accepted.set_result(None)
+
+    def _step(self, engine: LLMEngine) -> bool:
+        """One engine step, its outputs delivered; False if the step raised."""
+        start = time.perf_counter()
+        try:
+            outputs = engine.step()
+        except Exception as exc:
+            logger.exception("engine step failed; failing %d in-flight request(s)", len(self._routes))
+            self._fail_all(engine, f"engine step failed: {type(exc).__name__}: {exc}")
+            return False
+        self.metrics.step_seconds.observe(time.perf_counter() - start)
+        deliveries = []
+        for out in outputs:
+            route = self._routes.get(out.request_id)
+            if route is None:
+                continue  # aborted by its caller (or rolled back); nobody is listening
+            if out.finished:
+                del self._routes[out.request_id]
+                self.metrics.finished.labels(out.finish_reason or "unknown").inc()
+            self.metrics.generation_tokens.inc(len(out.new_token_ids))
+            deliveries.append((route, out))
+        self._deliver(deliveries)
+        return True
+
+    def _fail_all(self, engine: LLMEngine, message: str) -> None:
+        """Fail every routed request with `message` and tell the engine to drop them."""
+        failed = list(self._routes.items())
+        self._routes.clear()
+        for request_id, _ in failed:
+            try:
+                engine.abort_request(request_id)
+            except Exception:
+                logger.exception("abort_request(%s) failed", request_id)
+        self.metrics.finished.labels("error").inc(len(failed))
+        self._deliver([(route, RequestFailed(request_id, message)) for request_id, route in failed])
+
+    @staticmethod
+    def _deliver(deliveries: list[tuple[_Route, RequestOutput | RequestFailed]]) -> None:
+        # One wake-up per event loop per step, not one per output.
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = defaultdict(list)
+        for route, item in deliveries:
+            by_loop[route.loop].append((route.queue, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:
+                pass  # that event loop is closed: nobody is waiting for these outputs
+
+    def _publish_stats(self, engine: LLMEngine) -> None:
+        self.stats = {**engine.stats(), "in_flight": len(self._routes)}
+
+    def _close(self, engine: LLMEngine) -> None:
+        """On exit: fail submits never processed, abort what is in flight."""
+        with self._lock:  # after this, `submit` refuses instead of queueing into the void
+            self._stopping = True
+            pending = []
+            while not self._commands.empty():
+                pending.append(self._commands.get_nowait())
+        for command in pending:
+            if isinstance(command, _Add) and command.accepted.set_running_or_notify_cancel():
+                command.accepted.set_exception(EngineUnavailable("the server is shutting down"))
+        try:
+            for request_id in list(self._routes):
+                engine.abort_request(request_id)
+            if engine.has_unfinished_requests():
+                self._step(engine)  # hands the aborts' final outputs to their callers
+        except Exception:
+            logger.exception("aborting in-flight requests at shutdown failed")
+        self._fail_all(engine, "the server is shutting down")  # whatever the last step did not end
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:
+    for out_queue, item in batch:
+        out_queue.put_nowait(item)

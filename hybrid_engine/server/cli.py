@@ -1,0 +1,99 @@
+"""`serve_hybrid.py` command line: engine flags, server flags, start-up and clean shutdown."""
+import argparse
+import logging
+import signal
+from types import FrameType
+
+import uvicorn
+
+from hybrid_engine.config import DTYPES, EngineConfig
+from hybrid_engine.engine import LLMEngine
+from hybrid_engine.server.api import build_app
+from hybrid_engine.server.async_llm import AsyncLLM
+
+logger = logging.getLogger("hybrid_engine.server")
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the command line (engine flags mirror `EngineConfig`)."""
+    p = argparse.ArgumentParser(description="OpenAI-compatible HTTP server for hybrid Mamba-2/attention/MoE models.")
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory or 'preset:NAME' (default: the embedded tiny model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: the engine's)")
+    p.add_argument("--device", default=None, help="'cuda' or 'cpu' (default: cuda when available)")
+    p.add_argument("--dtype", default="auto", choices=sorted(DTYPES))
+    p.add_argument("--max-num-seqs", type=int, default=None, help="requests in the running batch (Mamba slots)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: sized from memory)")
+    p.add_argument("--kv-block-size", type=int, default=None, help="tokens per KV block")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=0, help="engine seed (requests without a seed derive theirs)")
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    p.add_argument("--no-async-scheduling", action="store_true", help="disable launch-ahead scheduling")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="disable CUDA graphs")
+    p.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="requests admitted beyond --max-num-seqs before answering 429")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish on SIGTERM/SIGINT before they are aborted")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    args = p.parse_args(argv)
+    if args.max_waiting_requests < 0:
+        p.error("--max-waiting-requests must be >= 0")
+    return args
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the flags describe."""
+    return EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, async_scheduling=not args.no_async_scheduling,
+        cuda_graphs=not args.no_cuda_graphs, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        kv_block_size=args.kv_block_size, num_kv_blocks=args.num_kv_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, load_format=args.load_format,
+    )
+
+
+def _exit_now(signum: int, _: FrameType | None) -> None:
+    raise SystemExit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Load the engine, serve until SIGTERM/SIGINT, drain, exit 0 (2 on a bad configuration)."""
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Loading can take a while; a signal meanwhile simply exits.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_now)
+    config = engine_config(args)
+    try:
+        llm = AsyncLLM(lambda: LLMEngine(config), max_waiting_requests=args.max_waiting_requests)
+    except ValueError as exc:
+        logger.error("cannot start the engine: %s", exc)
+        return 2
+    info = llm.info
+    served = args.served_model_name or info.model_name
+    logger.info(
+        "serving %r (model %s) on http://%s:%d | device=%s dtype=%s kernels=%s | capacity: %d concurrent requests "
+        "(+%d waiting), %d KV tokens (%d blocks x %d), max context %d tokens",
+        served, info.model_name, args.host, args.port, info.device, info.dtype, info.kernels, info.max_num_seqs,
+        args.max_waiting_requests, info.kv_tokens, info.total_kv_blocks, info.kv_block_size, info.max_request_tokens,
+    )
+    # uvicorn handles SIGTERM/SIGINT while serving (stop accepting, let open requests
+    # finish for --shutdown-timeout, cancel the rest, run the app's shutdown), then
+    # restores the previous handlers and re-raises the signal; a no-op handler makes
+    # that re-raise a clean exit 0 instead of a kill.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server = uvicorn.Server(uvicorn.Config(build_app(llm, served), host=args.host, port=args.port,
+                                           log_level=args.log_level,
+                                           timeout_graceful_shutdown=args.shutdown_timeout))
+    try:
+        server.run()
+    finally:
+        llm.shutdown()
+    return 0 if server.started else 1

@@ -1,0 +1,73 @@
+"""POST /v1/completions: text or token-id prompts, one choice per prompt."""
+import uuid
+from typing import AsyncIterator
+
+from starlette.responses import Response
+
+from hybrid_engine.request import RequestOutput
+from hybrid_engine.server.async_llm import Generation
+from hybrid_engine.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
+                                            UsageInfo)
+from hybrid_engine.server.serving import OpenAIServing, logprob_rows, usage
+
+
+class CompletionsHandler(OpenAIServing):
+    """Serves legacy completions, streamed or not, with OpenAI's legacy logprobs format."""
+
+    async def create(self, request: CompletionRequest) -> Response:
+        """Validate, run, and answer one completions request."""
+        self.check_model(request.model)
+        self.check_num_prompts(len(request.prompt))
+        prompts = [self.check_prompt(p if isinstance(p, list) else self.encode(p, "prompt"), "prompt")
+                   for p in request.prompt]
+        requests = [(ids, self.sampling_params(request, len(ids), request.max_tokens, "max_tokens", request.logprobs))
+                    for ids in prompts]
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        generation = await self.submit(request_id, requests)
+        if request.stream:
+            return self.stream(generation, self._chunks(request, request_id, generation))
+        finals = await self.collect(generation, len(requests))
+        choices = [
+            CompletionChoice(index=i, text=out.text or "", logprobs=self._logprobs(request, out, 0, new_only=False)[0],
+                             finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+            for i, out in enumerate(finals)
+        ]
+        response = CompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
+                                      usage=self._usage(finals))
+        return Response(response.model_dump_json(), media_type="application/json")
+
+    async def _chunks(self, request: CompletionRequest, request_id: str,
+                      generation: Generation) -> AsyncIterator[CompletionResponse]:
+        first = CompletionResponse(id=request_id, model=self.served_model_name, choices=[])
+        text_offsets = [0] * len(request.prompt)
+        finals: list[RequestOutput] = []
+        async for index, out in generation:
+            logprobs, text_offsets[index] = self._logprobs(request, out, text_offsets[index], new_only=True)
+            if out.finished:
+                finals.append(out)
+            elif not out.new_text and not (logprobs and logprobs.tokens):
+                continue  # nothing to show yet (e.g. text held back mid-character)
+            choice = CompletionChoice(index=index, text=out.new_text, logprobs=logprobs,
+                                      finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+            yield first.model_copy(update={"choices": [choice]})
+        if request.include_usage_in_stream:
+            yield first.model_copy(update={"usage": self._usage(finals)})
+
+    def _logprobs(self, request: CompletionRequest, out: RequestOutput, text_offset: int,
+                  new_only: bool) -> tuple[CompletionLogprobs | None, int]:
+        """Legacy logprobs of the output's tokens (or of just its new ones), and the next text offset."""
+        if request.logprobs is None:
+            return None, text_offset
+        result = CompletionLogprobs()
+        for token, logprob, top in logprob_rows(out, request.logprobs, new_only):
+            text = self.token_text(token)
+            result.tokens.append(text)
+            result.token_logprobs.append(logprob)
+            result.top_logprobs.append({self.token_text(t): lp for t, lp in top})
+            result.text_offset.append(text_offset)
+            text_offset += len(text)
+        return result, text_offset
+
+    @staticmethod
+    def _usage(finals: list[RequestOutput]) -> UsageInfo:
+        return usage(sum(len(o.prompt_token_ids) for o in finals), sum(len(o.output_token_ids) for o in finals))

@@ -1,0 +1,339 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic models).
+
+Requests are validated strictly: JSON types must match exactly (no "5" for 5, no true
+for 1), numbers must be finite and in range, unknown fields are refused (OpenAI answers
+"Unrecognized request argument" too), and `null` means "use the default". What needs
+the model to check (vocabulary, context length, the model name) is checked by the
+serving layer, which knows the engine.
+"""
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+INT32_MAX = 2**31 - 1
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class StrictModel(BaseModel):
+    """Base of request bodies: exact JSON types, finite numbers, no unknown fields."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # OpenAI clients send explicit nulls for "unset"; dropping them lets every field
+        # keep a single, non-optional default instead of None checks everywhere.
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class StreamOptions(StrictModel):
+    """`stream_options`: only `include_usage` (a final chunk carrying usage) is supported."""
+
+    include_usage: bool = False
+
+
+class SamplingRequest(StrictModel):
+    """Fields both endpoints share: model, streaming, and the sampling parameters.
+
+    Beyond OpenAI's fields this accepts vLLM's extensions (top_k, min_p,
+    repetition_penalty, ignore_eos, stop_token_ids, ...). `top_k` -1 or 0 means off.
+    """
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1)
+    user: str | None = None  # accepted for compatibility; not used
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, le=INT32_MAX)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
+    seed: int | None = Field(None, ge=0, le=2**64 - 1)
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [value]
+        if not (isinstance(value, list) and all(isinstance(s, str) for s in value)):
+            raise ValueError("stop must be a string or a list of strings")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _single_choice(cls, value: int) -> int:
+        if value != 1:
+            raise PydanticCustomError("not_implemented", "n > 1 is not implemented: send n=1 (or separate requests)")
+        return value
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> "SamplingRequest":
+        if self.stream_options is not None and not self.stream:
+            raise PydanticCustomError("invalid_value", "stream_options can only be set when stream is true")
+        return self
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        """Whether a streamed response ends with a usage chunk."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """The SamplingParams fields these request fields map to (max_tokens and logprobs aside)."""
+        return dict(
+            temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, seed=self.seed, stop=self.stop or None,
+            stop_token_ids=self.stop_token_ids or None, ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+# A prompt is text or token ids; `prompt` holds one or several of them.
+Prompt = str | list[int]
+
+
+class CompletionRequest(SamplingRequest):
+    """POST /v1/completions. Several prompts give several choices (by index)."""
+
+    prompt: list[Prompt]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompts(cls, value: Any) -> Any:
+        # Normalize the four accepted shapes to a list of prompts, with one clear message
+        # instead of pydantic's per-union-member complaints.
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, list) and value:
+            if all(isinstance(p, str) for p in value):
+                return value
+            if all(_is_token_id(t) for t in value):
+                return [value]
+            if all(isinstance(p, list) and all(_is_token_id(t) for t in p) for p in value):
+                if not all(value):
+                    raise ValueError("prompt must not be empty")
+                return value
+        if value == []:
+            raise ValueError("prompt must not be empty")
+        raise ValueError("prompt must be a string, a list of strings, a list of token ids, or a list of lists of "
+                         "token ids")
+
+
+class TextPart(StrictModel):
+    """A `{"type": "text", "text": ...}` content part (the only kind supported)."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(StrictModel):
+    """One input message; content is a string or a list of text parts."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] = ""
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError("content must be a string or a list of content parts")
+        for part in value:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"only text content parts are supported, got {kind!r}")
+        return value
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates expect it (plain dicts)."""
+        content = self.content if isinstance(self.content, str) else [p.model_dump() for p in self.content]
+        out: dict[str, Any] = {"role": self.role, "content": content}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """POST /v1/chat/completions (`max_completion_tokens` wins over the older `max_tokens`)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise PydanticCustomError("invalid_value", "top_logprobs requires logprobs to be true")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """The output length limit the client asked for, if any."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per token for the engine (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# ---- responses ---------------------------------------------------------------------------
+def now() -> int:
+    """The `created` timestamp (seconds)."""
+    return int(time.time())
+
+
+class UsageInfo(BaseModel):
+    """Token counts of a response."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy logprobs: parallel lists, one entry per generated token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    """One choice of a completion (also a streamed chunk's choice, with a text delta)."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A completion, or one streamed chunk of one (OpenAI uses the same object for both)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    """A token with its logprob and UTF-8 bytes (chat logprobs format)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    """A generated token's logprob plus the most likely alternatives at its position."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    """Chat logprobs: one entry per generated token."""
+
+    content: list[TokenLogprob] = Field(default_factory=list)
+
+
+class AssistantMessage(BaseModel):
+    """The generated message of a chat completion."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    """The choice of a chat completion."""
+
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """A non-streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    """What a chat chunk adds: the role (first chunk only) and/or content."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    """The choice of a streamed chat chunk."""
+
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One streamed chat chunk (the last one carries usage when asked for)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    """An entry of GET /v1/models."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "hybrid-engine"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    """GET /v1/models."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

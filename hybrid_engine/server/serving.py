@@ -1,0 +1,186 @@
+"""What both endpoints share: model check, prompt checks, output budget, submission,
+logprob rows, and the two response modes (collect everything, or stream SSE).
+
+A validated request becomes engine inputs here: prompts are tokenized on the event loop
+(with the front end's own tokenizer copy) so that every "bad prompt" answer -- empty,
+out-of-vocabulary id, too long -- is a 400 decided before anything is queued.
+"""
+import json
+import logging
+import math
+from typing import AsyncIterator
+
+from pydantic import BaseModel
+from starlette.background import BackgroundTask
+from starlette.responses import StreamingResponse
+
+from hybrid_engine.request import RequestOutput
+from hybrid_engine.sampling_params import SamplingParams
+from hybrid_engine.server.async_llm import AsyncLLM, EngineUnavailable, Generation, QueueFull, RequestFailed
+from hybrid_engine.server.errors import RATE_LIMIT, SERVER_ERROR, APIError
+from hybrid_engine.server.protocol import SamplingRequest, UsageInfo
+
+logger = logging.getLogger(__name__)
+
+# JSON has no -inf; OpenAI-compatible servers report impossible tokens with this floor.
+LOGPROB_FLOOR = -9999.0
+RETRY_AFTER_S = "1"
+
+# (token id, its logprob, [(alternative id, logprob), ...] most likely first)
+LogprobRow = tuple[int, float, list[tuple[int, float]]]
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
+
+
+def logprob_rows(out: RequestOutput, top_n: int, new_only: bool) -> list[LogprobRow]:
+    """Logprob rows of all output tokens, or of those this output added (streaming)."""
+    if out.logprobs is None:
+        return []
+    tokens = out.new_token_ids if new_only else out.output_token_ids
+    first = len(out.output_token_ids) - len(tokens)  # the engine's logprobs list is cumulative
+    rows = []
+    for token, entry in zip(tokens, out.logprobs[first:]):
+        # The engine puts the sampled token first, then the top-n (deduplicated); sorting
+        # recovers the top-n whether or not the sampled token is among them.
+        top = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
+        rows.append((token, _finite(entry.get(token, LOGPROB_FLOOR)), [(t, _finite(lp)) for t, lp in top]))
+    return rows
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    """A usage block."""
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+def _sse(payload: BaseModel | dict) -> str:
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+class OpenAIServing:
+    """Base of the endpoint handlers: turns requests into engine inputs, outputs into responses."""
+
+    def __init__(self, llm: AsyncLLM, served_model_name: str):
+        self.llm, self.info, self.served_model_name = llm, llm.info, served_model_name
+
+    # ---- request checks ----------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        """404 unless `model` is absent or the served name."""
+        if model is not None and model != self.served_model_name:
+            raise APIError(f"the model {model!r} does not exist; this server serves {self.served_model_name!r}",
+                           status=404, param="model", code="model_not_found")
+
+    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """Tokenize prompt text; 400 if the model has no tokenizer."""
+        if self.info.tokenizer is None:
+            raise APIError("this model has no tokenizer: send the prompt as token ids", param=param)
+        return self.info.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def check_prompt(self, token_ids: list[int], param: str) -> list[int]:
+        """400 for an empty prompt, an id outside the vocabulary, or no room left to generate."""
+        if not token_ids:
+            raise APIError("the prompt must not be empty", param=param)
+        vocab = self.info.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(f"token id {bad} is out of vocabulary (vocab_size {vocab})", param=param)
+        limit = self.info.max_request_tokens
+        if len(token_ids) >= limit:
+            raise APIError(f"the prompt has {len(token_ids)} tokens; this model's maximum context length is {limit} "
+                           f"tokens, which must include at least one generated token", param=param,
+                           code="context_length_exceeded")
+        return token_ids
+
+    def sampling_params(self, request: SamplingRequest, prompt_len: int, max_tokens: int | None,
+                        max_tokens_param: str, logprobs: int | None) -> SamplingParams:
+        """Engine params; an unset max_tokens means all the room the context leaves (as vLLM)."""
+        limit = self.info.max_request_tokens
+        room = limit - prompt_len
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(f"this model's maximum context length is {limit} tokens; the request asks for "
+                           f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} to generate): "
+                           f"lower {max_tokens_param} to at most {room}", param=max_tokens_param,
+                           code="context_length_exceeded")
+        bad = next((t for t in request.stop_token_ids if not 0 <= t < self.info.vocab_size), None)
+        if bad is not None:
+            raise APIError(f"stop_token_ids: token id {bad} is out of vocabulary (vocab_size {self.info.vocab_size})",
+                           param="stop_token_ids")
+        if request.stop and self.info.tokenizer is None:
+            raise APIError("stop strings need a tokenizer and this model has none: use stop_token_ids", param="stop")
+        try:
+            return SamplingParams(max_tokens=room if max_tokens is None else max_tokens, logprobs=logprobs,
+                                  **request.sampling_kwargs())
+        except ValueError as exc:
+            raise APIError(str(exc)) from exc
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text for logprobs (`token_id:N` when the model has no tokenizer, as vLLM)."""
+        if self.info.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.info.tokenizer.decode([token_id])
+
+    # ---- running -----------------------------------------------------------------------
+    def check_num_prompts(self, num_prompts: int) -> None:
+        """400 for more prompts than the server ever admits at once (429 would never clear)."""
+        if num_prompts > self.llm.max_in_flight:
+            raise APIError(f"{num_prompts} prompts in one request; this server admits at most "
+                           f"{self.llm.max_in_flight} requests at once", param="prompt")
+
+    async def submit(self, request_id: str, requests: list[tuple[list[int], SamplingParams]]) -> Generation:
+        """Hand the requests to the engine, mapping refusals to HTTP errors."""
+        try:
+            return await self.llm.submit(request_id, requests)
+        except QueueFull as exc:
+            raise APIError(str(exc), status=429, type=RATE_LIMIT, code="rate_limit_exceeded",
+                           headers={"Retry-After": RETRY_AFTER_S}) from exc
+        except EngineUnavailable as exc:
+            raise APIError(str(exc), status=503, type=SERVER_ERROR, code="engine_unavailable",
+                           headers={"Retry-After": RETRY_AFTER_S}) from exc
+        except ValueError as exc:
+            raise APIError(str(exc)) from exc
+        except Exception as exc:
+            raise APIError(f"the engine could not take the request: {type(exc).__name__}: {exc}", status=500,
+                           type=SERVER_ERROR, code="internal_error") from exc
+
+    @staticmethod
+    async def collect(generation: Generation, num_requests: int) -> list[RequestOutput]:
+        """Wait for every request's final output (a failed request -> 500)."""
+        finals: list[RequestOutput] = [None] * num_requests  # type: ignore[list-item]
+        try:
+            async for index, out in generation:
+                if out.finished:
+                    finals[index] = out
+        except RequestFailed as exc:
+            raise APIError(str(exc), status=500, type=SERVER_ERROR, code="internal_error") from exc
+        finally:
+            generation.close()
+        return finals
+
+    @staticmethod
+    def stream(generation: Generation, events: AsyncIterator[BaseModel]) -> StreamingResponse:
+        """An SSE response of `events`, ending in `data: [DONE]`.
+
+        An error after the stream started (status 200 already sent) becomes an OpenAI
+        error event before [DONE]. Closing the generation -- normally, on error, or when
+        Starlette cancels the body on client disconnect -- aborts what is unfinished; the
+        background task covers a body that never started.
+        """
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                try:
+                    async for event in events:
+                        yield _sse(event)
+                except Exception as exc:  # this request fails alone; the server goes on
+                    if not isinstance(exc, RequestFailed):
+                        logger.exception("error while streaming a response")
+                    yield _sse(APIError(str(exc), status=500, type=SERVER_ERROR, code="internal_error").body())
+                yield "data: [DONE]\n\n"
+            finally:
+                generation.close()
+
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 background=BackgroundTask(generation.close))

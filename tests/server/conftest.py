@@ -1,0 +1,182 @@
+"""Server test fixtures: real uvicorn servers on 127.0.0.1 over the embedded model.
+
+`server` runs in this process (a background thread) over `FaultyEngine`, the real
+engine plus switches the tests flip to inject failures; `start_subprocess_server`
+runs `scripts/serve_hybrid.py` itself (CLI, signals, exit code).
+"""
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import httpx
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from hybrid_engine.config import EngineConfig
+from hybrid_engine.engine import LLMEngine
+from hybrid_engine.server.api import build_app
+from hybrid_engine.server.async_llm import AsyncLLM
+
+REPO = Path(__file__).resolve().parents[2]
+SERVE_SCRIPT = REPO / "scripts" / "serve_hybrid.py"
+# Small context: an unset max_tokens (= the room left) stays cheap on CPU.
+MAX_MODEL_LEN = 128
+
+
+class FaultyEngine(LLMEngine):
+    """LLMEngine whose next step or add_request can be made to raise, and whose steps can
+    be slowed down (to catch a request mid-flight). The switches are thread-safe; the
+    engine itself is still only used by the server's engine thread."""
+
+    def __init__(self, config: EngineConfig):
+        super().__init__(config)
+        self.fail_next_step = threading.Event()
+        self.fail_next_add = threading.Event()
+        self.step_delay = 0.0
+
+    def step(self):
+        if self.fail_next_step.is_set():
+            self.fail_next_step.clear()
+            raise RuntimeError("injected step failure")
+        time.sleep(self.step_delay)
+        return super().step()
+
+    def add_request(self, request_id, prompt, params=None):
+        if self.fail_next_add.is_set():
+            self.fail_next_add.clear()
+            raise RuntimeError("injected add_request failure")
+        return super().add_request(request_id, prompt, params)
+
+
+@dataclass
+class Server:
+    """A running test server."""
+
+    url: str
+    llm: AsyncLLM
+    engine: LLMEngine
+
+    def metrics(self) -> dict[str, float]:
+        """/metrics as {"name{label=value}": value} (labels sorted, counters with _total)."""
+        text = httpx.get(f"{self.url}/metrics").text
+        values = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                values[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return values
+
+    def idle_and_free(self) -> bool:
+        """Nothing in flight and every KV block and Mamba slot back in its pool."""
+        m = self.metrics()
+        return (m["hybrid_engine_num_requests_in_flight"] == 0 and m["hybrid_engine_num_requests_running"] == 0
+                and m["hybrid_engine_num_requests_waiting"] == 0
+                and m["hybrid_engine_kv_blocks_free"] == m["hybrid_engine_kv_blocks_total"]
+                and m["hybrid_engine_mamba_slots_free"] == m["hybrid_engine_mamba_slots_total"])
+
+    def assert_healthy(self) -> None:
+        """/health is 200 and a normal request completes."""
+        assert httpx.get(f"{self.url}/health").status_code == 200
+        r = httpx.post(f"{self.url}/v1/completions", json={"prompt": "ok?", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] >= 1
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
+    """Poll `predicate` until true; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def free_port() -> int:
+    """A TCP port free right now on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_in_thread(engine_factory: Callable[[], LLMEngine], max_waiting_requests: int = 256) -> Iterator[Server]:
+    """A uvicorn server for `build_app` in a background thread, on a socket bound up front."""
+    engines: list[LLMEngine] = []
+
+    def build() -> LLMEngine:  # runs on the engine thread; keep a handle for the switches
+        engines.append(engine_factory())
+        return engines[0]
+
+    llm = AsyncLLM(build, max_waiting_requests=max_waiting_requests)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(build_app(llm), log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, what="the test server to start")
+    try:
+        yield Server(f"http://127.0.0.1:{port}", llm, engines[0])
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[Server]:
+    """The shared server: embedded model on CPU, 16 sequences, context 128."""
+    config = EngineConfig(device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN)
+    with serve_in_thread(lambda: FaultyEngine(config)) as s:
+        yield s
+
+
+@pytest.fixture
+def engine_switches(server: Server) -> Iterator[FaultyEngine]:
+    """The shared server's FaultyEngine, with every switch reset afterwards."""
+    engine = server.engine
+    yield engine
+    engine.step_delay = 0.0
+    engine.fail_next_step.clear()
+    engine.fail_next_add.clear()
+
+
+@contextlib.contextmanager
+def start_subprocess_server(*flags: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`scripts/serve_hybrid.py` in a child process; yields (base url, process) once healthy.
+
+    Afterwards the process is killed if still running (tests SIGTERM it themselves).
+    """
+    port = free_port()
+    log = tempfile.TemporaryFile()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # 2 busy CPU cores: intra-op threads only contend
+    proc = subprocess.Popen([sys.executable, str(SERVE_SCRIPT), "--host", "127.0.0.1", "--port", str(port),
+                             "--log-level", "warning", *flags], stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            log.seek(0)
+            pytest.fail(f"server exited with {proc.returncode}:\n{log.read().decode(errors='replace')}")
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        return False
+
+    try:
+        wait_until(up, timeout=90, what="the server subprocess to start")
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        log.close()

@@ -1,0 +1,185 @@
+"""The OpenAI-compatible endpoints through the official `openai` client (and httpx)."""
+import httpx
+import openai
+import pytest
+
+from hybrid_engine.tokenizer import build_byte_tokenizer
+from tests.server.conftest import MAX_MODEL_LEN, Server
+
+MODEL = "hybrid-engine/embedded-tiny"
+GREEDY = dict(temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    """The official OpenAI client pointed at the shared server (no retries)."""
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_models_and_health(server: Server, client: openai.OpenAI):
+    """/v1/models lists the served model with its context; /health is ok."""
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].max_model_len == MAX_MODEL_LEN
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+
+
+def test_completion_fields(client: openai.OpenAI):
+    """A completion carries id, object, model, one choice and exact usage."""
+    r = client.completions.create(model=MODEL, prompt="Hello", **GREEDY)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-") and r.model == MODEL
+    (choice,) = r.choices
+    assert choice.index == 0 and choice.finish_reason == "length" and isinstance(choice.text, str)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (5, 12, 17)
+
+
+def test_completion_prompt_shapes(client: openai.OpenAI):
+    """String, list of strings, token ids, list of token-id lists: one choice per prompt."""
+    one = client.completions.create(model=MODEL, prompt="ab", **GREEDY).choices[0].text
+    ids = client.completions.create(model=MODEL, prompt=[97, 98], **GREEDY).choices[0].text
+    assert ids == one  # the byte tokenizer: "ab" is [97, 98]
+    many = client.completions.create(model=MODEL, prompt=["ab", "xyz", "ab"], **GREEDY)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert many.choices[0].text == many.choices[2].text == one
+    assert many.usage.prompt_tokens == 7 and many.usage.completion_tokens == 36
+    lists = client.completions.create(model=MODEL, prompt=[[97, 98], [120, 121, 122]], **GREEDY)
+    assert [c.text for c in lists.choices] == [c.text for c in many.choices[:2]]
+
+
+def test_unset_max_tokens_uses_the_remaining_context(client: openai.OpenAI):
+    """No max_tokens: generate until the context is full (as vLLM)."""
+    r = client.completions.create(model=MODEL, prompt="abcd", temperature=0.0, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == MAX_MODEL_LEN - 4
+
+
+def test_chat_completion(client: openai.OpenAI):
+    """Chat renders the ChatML template and honours max_completion_tokens."""
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    (choice,) = r.choices
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    tokenizer = build_byte_tokenizer()
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n")
+    assert r.usage.prompt_tokens == len(tokenizer.encode(prompt)) and r.usage.completion_tokens == 12
+    tokens = client.chat.completions.create(model=MODEL, messages=messages, temperature=0.0, max_completion_tokens=3)
+    assert tokens.usage.completion_tokens <= 3
+
+
+@pytest.mark.parametrize("prompt", ["Once upon", ["a", "bc"]])
+def test_completion_stream_equals_non_stream(client: openai.OpenAI, prompt):
+    """Greedy streamed text, tokens, finish reasons and usage equal the non-streamed ones."""
+    full = client.completions.create(model=MODEL, prompt=prompt, logprobs=2, **GREEDY)
+    stream = client.completions.create(model=MODEL, prompt=prompt, logprobs=2, stream=True,
+                                       stream_options={"include_usage": True}, **GREEDY)
+    texts, tokens, reasons, usage = {}, {}, {}, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+            assert chunk.choices == []
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            tokens.setdefault(c.index, []).extend(c.logprobs.tokens)
+            if c.finish_reason is not None:
+                reasons[c.index] = c.finish_reason
+    for c in full.choices:
+        assert texts[c.index] == c.text
+        assert tokens[c.index] == c.logprobs.tokens
+        assert reasons[c.index] == c.finish_reason == "length"
+    assert usage == full.usage
+
+
+def test_chat_stream_equals_non_stream(client: openai.OpenAI):
+    """The chat stream starts with the role, then concatenates to the non-streamed message."""
+    messages = [{"role": "user", "content": "tell me"}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage == full.usage
+
+
+def test_stream_without_usage_option(server: Server):
+    """A plain stream is SSE ending in [DONE]."""
+    body = {"prompt": "hi", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert all(e.startswith("data: ") for e in events)
+
+
+def test_completion_logprobs_legacy_format(client: openai.OpenAI):
+    """logprobs=n gives parallel per-token lists with at most n alternatives."""
+    r = client.completions.create(model=MODEL, prompt="abc", logprobs=3, **GREEDY)
+    lp = r.choices[0].logprobs
+    n = r.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert all(v <= 0 for v in lp.token_logprobs)
+    assert all(1 <= len(top) <= 3 and all(v <= 0 for v in top.values()) for top in lp.top_logprobs)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    # Greedy: the sampled token is the most likely one (top_logprobs is keyed by text, so
+    # tokens decoding to the same text -- partial UTF-8 bytes -- collapse into one entry).
+    assert all(max(top.values()) <= v + 1e-4 for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+
+
+def test_chat_logprobs_content_format(client: openai.OpenAI):
+    """logprobs + top_logprobs give the chat content-list format."""
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], logprobs=True,
+                                       top_logprobs=2, **GREEDY)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and entry.bytes == list(entry.token.encode())
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert abs(entry.top_logprobs[0].logprob - entry.logprob) < 1e-4  # greedy: sampled = most likely
+    without_top = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                 logprobs=True, **GREEDY)
+    assert all(e.top_logprobs == [] for e in without_top.choices[0].logprobs.content)
+    assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                          **GREEDY).choices[0].logprobs is None
+
+
+def test_seed_makes_sampling_reproducible(client: openai.OpenAI):
+    """Same seed, same sampled text; different seeds differ."""
+    def sample(seed):
+        return client.completions.create(model=MODEL, prompt="seed", max_tokens=16, temperature=1.0, seed=seed,
+                                         top_p=0.9, presence_penalty=0.5, frequency_penalty=0.1,
+                                         extra_body={"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1,
+                                                     "ignore_eos": True}).choices[0].text
+    assert sample(7) == sample(7)
+    assert len({sample(s) for s in (1, 2, 3)}) > 1
+
+
+def test_stop_strings(client: openai.OpenAI):
+    """A stop string (alone or in a list) truncates the text and is reported as stop_reason."""
+    text = client.completions.create(model=MODEL, prompt="stop", **GREEDY).choices[0].text
+    cut = next((i for i, ch in enumerate(text) if i > 0 and ch.isascii() and ch.isalnum()), None)
+    if cut is None:
+        pytest.skip("greedy output has no ASCII character to stop on")
+    stop = text[cut]
+    for value in (stop, [stop, "\u2603never"]):
+        r = client.completions.create(model=MODEL, prompt="stop", stop=value, **GREEDY)
+        (choice,) = r.choices
+        assert choice.text == text[: text.index(stop)]
+        assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == stop
+
+
+def test_stop_token_ids(client: openai.OpenAI):
+    """A stop token id ends generation right after that token."""
+    tokens = client.completions.create(model=MODEL, prompt=[1, 2, 3], logprobs=0, **GREEDY).choices[0].logprobs.tokens
+    ascii_tokens = [t for t in tokens if len(t.encode()) == 1]  # byte tokenizer: id == ord(char)
+    if not ascii_tokens:
+        pytest.skip("greedy output has no ASCII token to stop on")
+    stop_id = ord(ascii_tokens[0])
+    r = client.completions.create(model=MODEL, prompt=[1, 2, 3],
+                                  **{**GREEDY, "extra_body": {"ignore_eos": True, "stop_token_ids": [stop_id]}})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == stop_id
+    assert r.usage.completion_tokens == tokens.index(ascii_tokens[0]) + 1
