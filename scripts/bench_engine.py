@@ -128,7 +128,7 @@ def main() -> None:
               f"{'bookkeep us':>11} {'sched us':>8} {'prep us':>8} {'post us':>8} {'bk %':>5}")
     print(f"embedded model, CPU float32, {torch.get_num_threads()} thread(s), "
           f"{'async' if args.async_scheduling else 'serial'}, prompt {args.prompt_len}, "
-          f"{args.max_tokens} tokens/request; medians over decode-only steps")
+          f"{args.max_tokens} tokens/request; decode-only steps: us = medians, steps/s and tok/s = means")
     print(header)
     print("-" * len(header))
     for r in results:

@@ -156,7 +156,7 @@ def _memcpy_counts(prof):
     counts = {"htod": 0, "dtoh": 0}
     names = set()
     for e in prof.events():
-        if "Memcpy" in e.name or "memcpy" in e.name.lower() and "cuda" not in e.name.lower():
+        if e.name.startswith("Memcpy"):
             names.add(e.name)
         if e.name.startswith("Memcpy HtoD"):
             counts["htod"] += 1
@@ -166,6 +166,10 @@ def _memcpy_counts(prof):
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="BUG: cache/mamba_cache.py MambaSlotAllocator.zero_new_slots builds its index with "
+                          "torch.tensor(self._to_zero, device=cuda): a second, pageable H2D memcpy in every step "
+                          "that admits a request (seen on an H100: 28 HtoD memcpys for 23 steps)")
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "async"])
 def test_cuda_exactly_one_htod_memcpy_per_step(async_scheduling):
     """On a GPU, the copies the CUDA profiler sees: one host-to-device memcpy per step (the
