@@ -241,21 +241,29 @@ class LLMEngine:
             if not chunk.samples:
                 continue
             request.pending_samples -= 1
-            token = samples.token_ids[i]
-            request.output_token_ids.append(token)
-            request.pending_token_ids.append(token)
-            if request.logprobs is not None:
-                entry: dict[int, float] = {}
-                for token_id, logprob in samples.logprobs[i][: 1 + request.params.logprobs]:
-                    entry.setdefault(token_id, logprob)  # sampled token first, then the top-n
-                request.logprobs.append(entry)
-            reason = self._check_stop(request, token)
-            if reason is not None:
-                self._finish(request, reason)
+            try:
+                self._append_sample(request, samples, i)
+            except Exception as e:  # one request's failure (e.g. its detokenizer) ends only it
+                logger.exception("request %s failed while appending its token", request.request_id)
+                request.error = f"{type(e).__name__}: {e}"
+                self._finish(request, "error")
             outputs.append(self._emit(request))
         if dropped:
             self._counters["rejected_launches"] += 1
         return outputs
+
+    def _append_sample(self, request: Request, samples: StepSamples, row: int) -> None:
+        token = samples.token_ids[row]
+        request.output_token_ids.append(token)
+        request.pending_token_ids.append(token)
+        if request.logprobs is not None:
+            entry: dict[int, float] = {}
+            for token_id, logprob in samples.logprobs[row][: 1 + request.params.logprobs]:
+                entry.setdefault(token_id, logprob)  # sampled token first, then the top-n
+            request.logprobs.append(entry)
+        reason = self._check_stop(request, token)
+        if reason is not None:
+            self._finish(request, reason)
 
     def _reconcile(self, ahead: StepHandle) -> StepHandle | None:
         """After step N's bookkeeping, keep what is still valid of the launched step N+1.
@@ -306,7 +314,7 @@ class LLMEngine:
         return None
 
     def _finish(self, request: Request, reason: str) -> None:
-        if request.detokenizer is not None and request.detokenizer.stop_reason is None:
+        if reason != "error" and request.detokenizer is not None and request.detokenizer.stop_reason is None:
             request.pending_text += request.detokenizer.flush()
         request.finish_reason = reason
         self.scheduler.remove(request)

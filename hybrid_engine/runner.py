@@ -197,7 +197,8 @@ class ModelRunner:
         params = [r.params for r in requests]
         n = len(requests)
         h["temperature"][:n] = torch.tensor([p.temperature for p in params])
-        h["top_k"][:n] = torch.tensor([p.top_k for p in params], dtype=torch.int32)
+        vocab = self.model.config.vocab_size  # top_k >= vocab is "off"; clamping keeps it int32
+        h["top_k"][:n] = torch.tensor([min(p.top_k, vocab) for p in params], dtype=torch.int32)
         h["top_p"][:n] = torch.tensor([p.top_p for p in params])
         h["min_p"][:n] = torch.tensor([p.min_p for p in params])
         h["repetition_penalty"][:n] = torch.tensor([p.repetition_penalty for p in params])

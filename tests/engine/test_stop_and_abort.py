@@ -265,3 +265,45 @@ def test_abort_text_is_flushed(make_llm, greedy_runs):
 
     assert final.text == build_byte_tokenizer().decode(tokens[:n], skip_special_tokens=True)
     assert "".join(o.new_text for o in outs) == final.text
+
+
+def test_failing_request_ends_alone_with_error(make_llm):
+    """An exception while appending one request's token finishes only that request."""
+    from hybrid_engine import SamplingParams
+
+    llm = make_llm()
+    engine = llm.engine
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    engine.add_request("bad", "boom", params)
+    engine.add_request("good", "fine", params)
+
+    class Exploding:
+        stop_reason = None
+        text = ""
+
+        def add_tokens(self, ids):
+            raise RuntimeError("detokenizer exploded")
+
+        def flush(self):
+            return ""
+
+    engine.requests["bad"].detokenizer = Exploding()
+    results = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out
+    assert results["bad"].finish_reason == "error" and "exploded" in results["bad"].error
+    assert results["good"].finish_reason == "length" and len(results["good"].output_token_ids) == 6
+    stats = engine.stats()
+    assert stats["free_kv_blocks"] == stats["total_kv_blocks"]
+    assert stats["free_mamba_slots"] == stats["total_mamba_slots"]
+
+
+def test_huge_top_k_is_off_not_an_overflow(make_llm):
+    from hybrid_engine import SamplingParams
+
+    llm = make_llm()
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, top_k=2**40, seed=1, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.output_token_ids) == 4
