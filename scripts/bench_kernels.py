@@ -7,12 +7,14 @@ attention 32 q / 8 kv heads x 128, KV block 64; MoE (nemotron-h-8b has none) at 
 Nemotron-3-Nano-30B-A3B expert shape: 128 experts, top-6, hidden 2688, inter 1856, relu2.
 Decode at batch 1, 16, 64, 256 with a 4096-token context; prefill one 4096-token sequence.
 
-Decode ops are timed as CUDA-graph replays (how the engine runs them) of several calls
-that rotate over distinct state slots / KV blocks / expert ids so the L2 cache does not
-serve repeated reads; prefill ops are timed per call with CUDA events. Both report the
-median. Each row gives the time, the bytes it must move (each input read once, each output
-written once) as GB/s, its flops as TFLOP/s where arithmetic matters, and the fraction of
-the ceiling measured here: device-to-device copy bandwidth and bf16 matmul rate.
+Ops are timed as CUDA-graph replays of several calls (how the engine runs decode; for
+prefill it leaves out the host launch overhead), decode calls rotating over distinct state
+slots / KV blocks / expert ids so the L2 cache does not serve repeated reads. The SSD scan
+cannot be captured (fla-core syncs on the host), so it is timed per call with CUDA events.
+All report the median. Prefill rows also give the summed GPU kernel time (torch.profiler).
+Each row gives the bytes the op must move (each input read once, each output written once)
+as GB/s, its flops as TFLOP/s where arithmetic matters, and the fraction of the ceiling
+measured here (device-to-device copy bandwidth, bf16 matmul rate), whichever is higher.
 """
 import argparse
 import json
@@ -65,6 +67,18 @@ def time_graph(calls: list[Callable[[], object]], per_graph: int = 16, reps: int
         for i in range(per_graph):
             calls[i % len(calls)]()
     return time_events(graph.replay, reps=reps) / per_graph
+
+
+def kernel_seconds(fn: Callable[[], object], reps: int = 5) -> float:
+    """GPU kernel time of one call (torch.profiler, summed over its kernels): excludes the
+    host-side launch overhead and sync gaps that an eagerly timed call includes."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e6 / reps
 
 
 def rotations(working_set_bytes: float) -> int:
@@ -241,21 +255,28 @@ def main() -> None:
     for op, case, build in cases:
         try:
             calls, moved, flops = build()
-            seconds = time_graph(calls) if case.startswith("decode") else time_events(calls[0])
+            if op == "ssd_chunk_scan_varlen":  # fla syncs on the host: no graph, time the whole call
+                seconds, how = time_events(calls[0]), "events"
+            else:
+                seconds, how = time_graph(calls, per_graph=16 if case.startswith("decode") else 4), "graph"
+            kernel_s = kernel_seconds(calls[0]) if not case.startswith("decode") else None
         except Exception as exc:  # one broken case must not hide the rest of the table
             print(f"{op} {case}: FAILED {type(exc).__name__}: {exc}")
             continue
         finally:
             calls = None
             torch.cuda.empty_cache()
-        rows.append({"op": op, "case": case, "us": seconds * 1e6, "GB/s": moved / seconds / 1e9,
-                     "TFLOP/s": flops / seconds / 1e12, "bytes": moved, "flops": flops,
+        rows.append({"op": op, "case": case, "us": seconds * 1e6, "timing": how,
+                     "kernel_us": kernel_s * 1e6 if kernel_s is not None else None,
+                     "GB/s": moved / seconds / 1e9, "TFLOP/s": flops / seconds / 1e12, "bytes": moved, "flops": flops,
                      "frac_of_ceiling": max(moved / seconds / copy_bw, flops / seconds / mm_rate)})
-    header = f"| {'op':<26} | {'case':<20} | {'time us':>9} | {'GB/s':>7} | {'TFLOP/s':>7} | {'% ceiling':>9} |"
+    header = (f"| {'op':<26} | {'case':<20} | {'time us':>9} | {'kernels us':>10} | {'GB/s':>7} | {'TFLOP/s':>7} "
+              f"| {'% ceiling':>9} |")
     print(header)
     print("|" + "|".join("-" * (len(part)) for part in header.split("|")[1:-1]) + "|")
     for r in rows:
-        print(f"| {r['op']:<26} | {r['case']:<20} | {r['us']:>9.1f} | {r['GB/s']:>7.0f} | "
+        kernel = f"{r['kernel_us']:.1f}" if r["kernel_us"] is not None else "-"
+        print(f"| {r['op']:<26} | {r['case']:<20} | {r['us']:>9.1f} | {kernel:>10} | {r['GB/s']:>7.0f} | "
               f"{r['TFLOP/s']:>7.1f} | {100 * r['frac_of_ceiling']:>8.1f}% |")
     with open(args.json, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": copy_bw / 1e9,

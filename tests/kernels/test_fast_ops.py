@@ -357,8 +357,10 @@ def test_decode_ops_capture_in_cuda_graph() -> None:
     conv_w = randn(dim, width, dtype=torch.bfloat16)
     conv_x = randn(batch, dim, dtype=torch.bfloat16)
     x, dt, a, b, c, d_skip = _ssm_inputs(batch, 8, 16, 2, 32, torch.bfloat16)
-    q, k_cache, v_cache, tables, lens, cu = _paged_case([1] * batch, [5, 70, 0, 16, 17, 33], block_size, heads,
-                                                        kv_heads, head_dim, torch.bfloat16)
+    # Every sequence owns 80 keys; the step's lengths (captured, then replayed) use a prefix.
+    q, k_cache, v_cache, tables, lens, cu = _paged_case([1] * batch, [80] * batch, block_size, heads, kv_heads,
+                                                        head_dim, torch.bfloat16)
+    lens.copy_(torch.tensor([5, 70, 0, 16, 17, 33], dtype=torch.int32, device=DEVICE))
     mx, w_up, w_down, weights, ids = _moe_case(batch, "relu2", torch.bfloat16)
     logits = randn(batch, 8)
     bias = randn(8)
@@ -382,7 +384,7 @@ def test_decode_ops_capture_in_cuda_graph() -> None:
 
     for tensor in (conv_x, x, dt, b, c, q, mx, weights, logits):
         tensor.copy_(torch.randn_like(tensor.float()).to(tensor.dtype))
-    lens.copy_(torch.tensor([9, 0, 100, 1, 48, 32], dtype=torch.int32, device=DEVICE))
+    lens.copy_(torch.tensor([9, 0, 80, 1, 48, 32], dtype=torch.int32, device=DEVICE))
     ids.copy_(torch.stack([torch.randperm(8, device=DEVICE)[:2] for _ in range(batch)]))
     conv_expected, ssm_expected = conv_states.clone(), ssm_states.clone()
     expected = (ref.causal_conv1d_update(conv_x, conv_w, None, conv_expected, src, dst),

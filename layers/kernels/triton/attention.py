@@ -98,19 +98,10 @@ def _attn_decode_kernel(
     m_i = tl.full((REP_PAD,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((REP_PAD,), dtype=tl.float32)
     acc = tl.zeros((REP_PAD, BD), dtype=tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        kpos = start + tl.arange(0, BLOCK_N)
-        kmask = kpos < hi
-        k = _load_kv_tile(k_cache_ptr, table_row, kpos, kmask, d, d_in, block_size, kv_head, stride_kb, stride_ko, stride_kh)
-        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale_log2
-        scores = tl.where(kmask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _load_kv_tile(v_cache_ptr, table_row, kpos, kmask, d, d_in, block_size, kv_head, stride_vb, stride_vo, stride_vh)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
-        m_i = m_new
+    for start in range(lo, hi, BLOCK_N):  # a decode query sees every cached key: no causal mask
+        acc, m_i, l_i = _attn_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, start, hi, hi, d, d_in,
+                                   block_size, kv_head, scale_log2, stride_kb, stride_ko, stride_kh, stride_vb,
+                                   stride_vo, stride_vh, BLOCK_N, True, False, PRECISION)
     has_keys = l_i > 0.0
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -142,6 +133,29 @@ def _attn_merge_kernel(
 
 
 @triton.jit
+def _attn_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, start, kv_end, q_pos, d, d_in, block_size, kv_head,
+               scale_log2, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+               BLOCK_N: tl.constexpr, MASK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+    # One online-softmax step over keys [start, start + BLOCK_N): MASK_KEYS drops keys past
+    # kv_end, CAUSAL keys after each query's position (q_pos); whole visible tiles skip both.
+    kpos = start + tl.arange(0, BLOCK_N)
+    kmask = kpos < kv_end
+    k = _load_kv_tile(k_cache_ptr, table_row, kpos, kmask, d, d_in, block_size, kv_head, stride_kb, stride_ko, stride_kh)
+    scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale_log2
+    if MASK_KEYS:
+        scores = tl.where(kmask[None, :], scores, float("-inf"))
+    if CAUSAL:
+        scores = tl.where(kpos[None, :] <= q_pos[:, None], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    p = tl.exp2(scores - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = _load_kv_tile(v_cache_ptr, table_row, kpos, kmask, d, d_in, block_size, kv_head, stride_vb, stride_vo, stride_vh)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _attn_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, cu_q_ptr,
     seq_offset, scale_log2, rep, head_dim, block_size,
@@ -149,7 +163,8 @@ def _attn_prefill_kernel(
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    m_start = tl.program_id(0) * BLOCK_M
+    # Query tiles run last-first: under the causal mask the late tiles carry the most keys.
+    m_start = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     head = tl.program_id(1)
     seq = tl.program_id(2) + seq_offset
     q_start = tl.load(cu_q_ptr + seq)
@@ -165,26 +180,25 @@ def _attn_prefill_kernel(
     tokens = (q_start + rows).to(tl.int64)
     q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + d[None, :],
                 mask=r_in[:, None] & d_in[None, :], other=0.0)
-    q_pos = seq_len - q_len + rows  # absolute position of each query
-    kv_end = tl.minimum(seq_len, seq_len - q_len + m_start + BLOCK_M)  # causal: keys up to the last query
+    first_pos = seq_len - q_len + m_start  # absolute position of the tile's first query
+    q_pos = first_pos + tl.arange(0, BLOCK_M)
+    kv_end = tl.minimum(seq_len, first_pos + BLOCK_M)  # causal: keys up to the last query
+    # Keys up to first_pos are visible to every query of the tile: those whole tiles skip
+    # the mask; the rest (the diagonal) applies it. Key 0 is in the first tile, so every
+    # row has a finite running max from the first step on.
+    full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BD), dtype=tl.float32)
-    for start in range(0, kv_end, BLOCK_N):
-        kpos = start + tl.arange(0, BLOCK_N)
-        kmask = kpos < kv_end
-        k = _load_kv_tile(k_cache_ptr, table_row, kpos, kmask, d, d_in, block_size, kv_head, stride_kb, stride_ko, stride_kh)
-        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale_log2
-        # Key 0 is visible to every query, so each row has a finite max after the first tile.
-        scores = tl.where(kmask[None, :] & (kpos[None, :] <= q_pos[:, None]), scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _load_kv_tile(v_cache_ptr, table_row, kpos, kmask, d, d_in, block_size, kv_head, stride_vb, stride_vo, stride_vh)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
-        m_i = m_new
+    for start in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attn_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, start, kv_end, q_pos, d, d_in,
+                                   block_size, kv_head, scale_log2, stride_kb, stride_ko, stride_kh, stride_vb,
+                                   stride_vo, stride_vh, BLOCK_N, False, False, PRECISION)
+    for start in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attn_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, start, kv_end, q_pos, d, d_in,
+                                   block_size, kv_head, scale_log2, stride_kb, stride_ko, stride_kh, stride_vb,
+                                   stride_vo, stride_vh, BLOCK_N, True, True, PRECISION)
     out = acc / l_i[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=r_in[:, None] & d_in[None, :])
@@ -198,7 +212,7 @@ def _sm_count(device_index: int) -> int:
 def _num_splits(q: torch.Tensor, num_decode: int, kv_heads: int) -> int:
     """Enough (sequence, kv head, split) programs to fill the GPU about four times over."""
     sms = _sm_count(q.device.index or 0) if q.is_cuda else 16
-    return max(1, min(32, triton.cdiv(4 * sms, num_decode * kv_heads)))
+    return max(1, min(64, triton.cdiv(4 * sms, num_decode * kv_heads)))
 
 
 def paged_attention(
@@ -251,13 +265,13 @@ def paged_attention(
     if num_rest > 0:
         if max_seqlen_q is None:
             max_seqlen_q = int((cu_seqlens_q[num_decode + 1:] - cu_seqlens_q[num_decode:-1]).max())
-        block_m = 64 if q.dtype != torch.float32 else 32
-        block_n = 64 if q.dtype != torch.float32 else 32
+        # fp32 tiles are twice the bytes: smaller tiles keep them in registers / shared memory.
+        block_m, block_n, warps, stages = (128, 64, 8, 3) if q.dtype != torch.float32 else (32, 32, 4, 2)
         grid = (triton.cdiv(max(max_seqlen_q, 1), block_m), heads, num_rest)
         _attn_prefill_kernel[grid](
             q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q,
             num_decode, scale_log2, rep, head_dim, block_size,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), *cache_strides,
-            BLOCK_M=block_m, BLOCK_N=block_n, BD=bd, PRECISION=precision, num_warps=4, num_stages=2,
+            BLOCK_M=block_m, BLOCK_N=block_n, BD=bd, PRECISION=precision, num_warps=warps, num_stages=stages,
         )
     return out

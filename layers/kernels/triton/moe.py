@@ -68,7 +68,12 @@ def _grouped_gemm_triton(
 ) -> torch.Tensor:
     """out[r] = act(a[a_rows[r]] @ w[e(r)]^T) for sorted rows r grouped by expert (ends: group ends)."""
     num_experts = w.shape[0]
-    bm, bn, bk = (64, 64, 32) if a.dtype != torch.float32 else (32, 32, 32)
+    # 16-bit: wide column tiles (SwiGLU keeps two accumulators, so half as wide); float32
+    # tiles are twice the bytes, so smaller.
+    if a.dtype == torch.float32:
+        bm, bn, bk = 32, 32, 32
+    else:
+        bm, bn, bk = 64, (64 if act == 2 else 128), 64
     # Tile map on the device: tile i belongs to the expert whose cumulative tile count
     # first exceeds i; tiles past the total get expert -1.
     tiles = (counts + bm - 1) // bm

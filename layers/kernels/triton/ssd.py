@@ -39,6 +39,23 @@ def _expand_qk_kernel(
     tl.store(k_ptr + out, (dt[:, None] * b[None, :]).to(k_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _skip_kernel(o_ptr, x_ptr, d_ptr, y_ptr, tok_seq_ptr, src_ptr, num_seqs, head_dim, width, BLOCK: tl.constexpr):
+    # y = o + D * x in one pass over contiguous [T, H*P] rows; rows of padding sequences
+    # (src -1) and tokens past the last sequence become zeros.
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    seq = tl.load(tok_seq_ptr + t)
+    src = tl.load(src_ptr + seq, mask=seq < num_seqs, other=-1)
+    row = t.to(tl.int64) * width + cols
+    o = tl.load(o_ptr + row, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row, mask=mask, other=0.0).to(tl.float32)
+    d = tl.load(d_ptr + cols // head_dim, mask=mask, other=0.0).to(tl.float32)
+    y = tl.where(src >= 0, o + d * x, 0.0)
+    tl.store(y_ptr + row, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
 def ssd_chunk_scan_varlen(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -67,6 +84,7 @@ def ssd_chunk_scan_varlen(
     num_seqs = src_slots.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return torch.zeros_like(x)
+    x = x.contiguous()  # fla would copy it anyway; the D-skip kernel reads it as [T, H*P]
     if B.stride(-1) != 1 or C.stride(-1) != 1:
         B, C = B.contiguous(), C.contiguous()
     dt = dt if dt.stride(-1) == 1 else dt.contiguous()
@@ -84,7 +102,9 @@ def ssd_chunk_scan_varlen(
         state_v_first=True, cu_seqlens=cu_seqlens.long(),
     )
     scatter_slots(ssm_states, final, src_slots, dst_slots)
-    tok_seq = token_to_seq(cu_seqlens, num_tokens)
-    valid = (tok_seq < num_seqs) & (src_slots[tok_seq.clamp(max=num_seqs - 1)] >= 0)
-    y = o[0].float() + D.float()[:, None] * x.float()
-    return torch.where(valid[:, None, None], y, 0.0).to(x.dtype)
+    y = torch.empty_like(x)
+    width, block = heads * head_dim, 1024
+    _skip_kernel[(num_tokens, triton.cdiv(width, block))](
+        o, x, D, y, token_to_seq(cu_seqlens, num_tokens), src_slots, num_seqs, head_dim, width, BLOCK=block, num_warps=4,
+    )
+    return y
