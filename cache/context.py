@@ -18,6 +18,7 @@ each, tokens [0, num_decode)); prefill chunks follow, packed, in tokens
 | input_from_prev     | int64   | [S]        | decode row's input = previous step's sample at  |
 |                     |         |            | this row (launch-ahead), -1 = input_ids holds it |
 | logits_indices      | int64   | [S]        | token whose hidden state is sampled             |
+| new_state_slots     | int64   | [2S]       | Mamba state slots to zero before the forward    |
 | seeds, output_pos   | int64   | [S]        | sampling noise key (seed, output index)         |
 | history_rows        | int64   | [S]        | row of the token-history table (penalties)      |
 | prompt_lens, history_lens | int64 | [S]    | prompt length / tokens known (penalties)        |
@@ -50,6 +51,7 @@ def _fields(max_tokens: int, max_seqs: int, max_blocks: int) -> list[_Field]:
     return (
         [_Field(n, torch.int64, t) for n in i64]
         + [_Field(n, torch.int64, s) for n in s64]
+        + [_Field("new_state_slots", torch.int64, (2 * max_seqs,))]
         + [_Field("cu_seqlens_q", torch.int32, (max_seqs + 1,)), _Field("prefill_cu_seqlens", torch.int32, (max_seqs + 1,)),
            _Field("seq_lens", torch.int32, s), _Field("block_tables", torch.int32, (max_seqs, max_blocks)),
            _Field("top_k", torch.int32, s)]

@@ -27,7 +27,7 @@ class MambaSlotAllocator:
         return len(self._free)
 
     def allocate(self) -> int:
-        """Take a request slot; its state is zeroed at the start of the next step."""
+        """Take a request slot; its state slots are zeroed by the next step (`take_new_slots`)."""
         if not self._free:
             raise RuntimeError("Mamba slot pool exhausted (scheduler bug: admission must check num_free)")
         slot = self._free.pop()
@@ -42,14 +42,18 @@ class MambaSlotAllocator:
         """The state-slot indices (one per copy) owned by request slot `slot`."""
         return [slot * self.copies + i for i in range(self.copies)]
 
-    def zero_new_slots(self) -> None:
-        """Zero every state slot handed out since the last call, in one op per state kind."""
-        if not self._to_zero:
-            return
-        idx = torch.tensor(self._to_zero, device=self.conv_states.device)
-        self.conv_states.index_fill_(1, idx, 0)
-        self.ssm_states.index_fill_(1, idx, 0)
-        self._to_zero.clear()
+    def take_new_slots(self) -> list[int]:
+        """State slots handed out since the last call: the next step must zero them."""
+        taken, self._to_zero = self._to_zero, []
+        return taken
+
+    def zero_slots(self, index: torch.Tensor) -> None:
+        """Zero the given state slots (a device index tensor) in every layer: one op per kind.
+
+        The index travels in the step buffer's single host-to-device copy.
+        """
+        self.conv_states.index_fill_(1, index, 0)
+        self.ssm_states.index_fill_(1, index, 0)
 
     def layer_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv, ssm) state pools of one Mamba layer, `[slots, ...]` views."""

@@ -32,6 +32,7 @@ class StepPlan:
     all_greedy: bool
     use_penalties: bool
     num_from_prev: int  # decode rows whose input is the previous step's sample (on device)
+    num_new_slots: int = 0  # Mamba state slots to zero before the forward
 
     @property
     def num_seqs(self) -> int:
@@ -53,22 +54,22 @@ class StepHandle:
     `valid[i]` is cleared when reconciliation rejects row i.
     """
 
-    def __init__(self, plan: StepPlan, sampled: torch.Tensor, host_tokens: torch.Tensor,
-                 host_lp: torch.Tensor | None, host_lp_ids: torch.Tensor | None, event: torch.cuda.Event | None):
+    def __init__(self, plan: StepPlan, sampled: torch.Tensor, host_out: torch.Tensor,
+                 event: torch.cuda.Event | None):
         self.plan, self.sampled = plan, sampled
-        self._tokens, self._lp, self._lp_ids, self._event = host_tokens, host_lp, host_lp_ids, event
+        self._host_out, self._event = host_out, event
         self.valid = [True] * plan.num_seqs
 
     def wait(self) -> StepSamples:
         """Block until the samples are on the host (the step's only host synchronization)."""
         if self._event is not None:
             self._event.synchronize()
-        n = self.plan.num_seqs
-        tokens = self._tokens[:n].tolist()
+        rows = self._host_out[: self.plan.num_seqs].tolist()
+        tokens = [int(r[0]) for r in rows]
         logprobs = None
-        if self._lp is not None:
-            ids, values = self._lp_ids[:n].tolist(), self._lp[:n].tolist()
-            logprobs = [list(zip(i, v)) for i, v in zip(ids, values)]
+        if self.plan.num_logprobs >= 0:
+            k = 1 + self.plan.num_logprobs
+            logprobs = [list(zip(map(int, r[1 + k:1 + 2 * k]), r[1:1 + k])) for r in rows]
         return StepSamples(tokens, logprobs)
 
 
@@ -92,15 +93,13 @@ class ModelRunner:
         # Token history per request slot, written on device from each step's inputs
         # (idempotent: position p always holds the same token), read for penalties.
         self._history = torch.zeros(self.max_seqs, max_model_len, dtype=torch.int64, device=device)
-        # Samples land in alternating pinned buffers: with launch-ahead two steps are
-        # outstanding, and step N's samples are read before step N+2 is launched.
+        # A step's samples (and logprobs with their token ids) come back packed in one
+        # float64 matrix -- exact for token ids and float32 logprobs -- so one copy does it.
+        # Alternating pinned buffers: with launch-ahead two steps are outstanding, and step
+        # N's samples are read before step N+2 is launched.
         pin = device.type == "cuda"
-        self._host_out = [
-            (torch.zeros(self.max_seqs, dtype=torch.int64, pin_memory=pin),
-             torch.zeros(self.max_seqs, 21, dtype=torch.float32, pin_memory=pin),
-             torch.zeros(self.max_seqs, 21, dtype=torch.int64, pin_memory=pin))
-            for _ in range(2)
-        ]
+        self._host_out = [torch.zeros(self.max_seqs, 1 + 2 * 21, dtype=torch.float64, pin_memory=pin)
+                          for _ in range(2)]
         self._launches = 0
 
     # ---- host side -------------------------------------------------------------------
@@ -186,8 +185,11 @@ class ModelRunner:
         h["logits_indices"][:n_seq] = cu_t[1:].long() - 1
         h["history_rows"][:n_seq] = slots
         h["input_from_prev"][:n_dec] = torch.tensor(from_prev, dtype=torch.int64)
+        new_slots = self.mamba.take_new_slots()
+        h["new_state_slots"][: len(new_slots)] = torch.tensor(new_slots, dtype=torch.int64)
         plan = self._write_sampling(sched, n_dec, t, max(c.num_tokens for c in chunks))
         plan.num_from_prev = sum(i >= 0 for i in from_prev)
+        plan.num_new_slots = len(new_slots)
         self.buffer.sync()
         return plan
 
@@ -251,7 +253,8 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, plan: StepPlan, prev: StepHandle | None = None) -> StepHandle:
         """Run forward + sampling for a prepared step; samples start copying to the host."""
-        self.mamba.zero_new_slots()
+        if plan.num_new_slots:
+            self.mamba.zero_slots(self.buffer.device["new_state_slots"][: plan.num_new_slots])
         meta = self.forward_meta(plan)
         input_ids = self.buffer.device["input_ids"][: plan.num_tokens]
         if plan.num_from_prev:
@@ -262,18 +265,14 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[meta.logits_indices])
         out = sample(logits, self._sampling_tensors(plan, meta, input_ids), num_logprobs=plan.num_logprobs,
                      all_greedy=plan.all_greedy, use_penalties=plan.use_penalties)
-        s = plan.num_seqs
-        host_tokens, host_lp, host_lp_ids = self._host_out[self._launches % 2]
-        self._launches += 1
-        host_tokens[:s].copy_(out.sampled_token_ids, non_blocking=True)
-        lp = lp_ids = None
+        packed = out.sampled_token_ids.double()[:, None]
         if out.logprobs is not None:
-            k = out.logprobs.shape[1]
-            lp, lp_ids = host_lp[:, :k], host_lp_ids[:, :k]
-            lp[:s].copy_(out.logprobs, non_blocking=True)
-            lp_ids[:s].copy_(out.logprob_token_ids, non_blocking=True)
+            packed = torch.cat([packed, out.logprobs.double(), out.logprob_token_ids.double()], dim=1)
+        host_out = self._host_out[self._launches % 2]
+        self._launches += 1
+        host_out[: plan.num_seqs, : packed.shape[1]].copy_(packed, non_blocking=True)
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        return StepHandle(plan, out.sampled_token_ids, host_tokens, lp, lp_ids, event)
+        return StepHandle(plan, out.sampled_token_ids, host_out, event)

@@ -59,14 +59,14 @@ def test_state_slots_and_storage(copies):
 
 
 @pytest.mark.parametrize("copies", [1, 2])
-def test_new_slots_zeroed_at_next_zero_new_slots(copies):
+def test_new_slots_zeroed_by_zero_slots(copies):
     m = make(4, copies=copies)
     m.conv_states.fill_(1.0)
     m.ssm_states.fill_(2.0)
     a, b = m.allocate(), m.allocate()
-    # Deferred: nothing is touched until zero_new_slots.
+    # Deferred: nothing is touched until the next step zeroes the slots it was handed.
     assert (m.conv_states == 1).all() and (m.ssm_states == 2).all()
-    m.zero_new_slots()
+    m.zero_slots(torch.tensor(m.take_new_slots(), dtype=torch.long))
     zeroed = m.state_slots(a) + m.state_slots(b)
     for s in range(4 * copies):
         conv, ssm = m.conv_states[:, s], m.ssm_states[:, s]
@@ -76,12 +76,12 @@ def test_new_slots_zeroed_at_next_zero_new_slots(copies):
             assert (conv == 1).all() and (ssm == 2).all(), s
     # Nothing pending: a second call touches nothing.
     m.conv_states.fill_(3.0)
-    m.zero_new_slots()
+    m.zero_slots(torch.tensor(m.take_new_slots(), dtype=torch.long))
     assert (m.conv_states == 3).all()
     # A freed and re-handed-out slot is zeroed again (a new request never sees old state).
     m.free(a)
     assert m.allocate() == a
-    m.zero_new_slots()
+    m.zero_slots(torch.tensor(m.take_new_slots(), dtype=torch.long))
     assert not m.conv_states[:, m.state_slots(a)].any() and (m.conv_states[:, m.state_slots(b)] == 3).all()
 
 
@@ -93,12 +93,11 @@ def test_zeroing_is_one_batched_op_per_state_kind(copies):
         m = make(8, copies=copies)
         for _ in range(n):
             m.allocate()
+        index = torch.tensor(m.take_new_slots(), dtype=torch.long)
         with OpCounter() as counter:
-            m.zero_new_slots()
+            m.zero_slots(index)
         fills = [op for op in counter.ops if "fill" in op or "zero" in op or "copy" in op or "index_put" in op]
         counts.append((len(counter.ops), len(fills)))
-        with OpCounter() as counter:
-            m.zero_new_slots()
-        assert counter.ops == []
+        assert m.take_new_slots() == []  # handed out once: the next step has nothing to zero
     assert counts[0] == counts[1], counts
     assert counts[0][1] <= 2, counts  # one op for conv, one for ssm

@@ -166,10 +166,6 @@ def _memcpy_counts(prof):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="BUG: cache/mamba_cache.py MambaSlotAllocator.zero_new_slots builds its index with "
-                          "torch.tensor(self._to_zero, device=cuda): a second, pageable H2D memcpy in every step "
-                          "that admits a request (seen on an H100: 28 HtoD memcpys for 23 steps)")
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "async"])
 def test_cuda_exactly_one_htod_memcpy_per_step(async_scheduling):
     """On a GPU, the copies the CUDA profiler sees: one host-to-device memcpy per step (the
