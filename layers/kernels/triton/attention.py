@@ -17,6 +17,9 @@ import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
+# Prefill kernel (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit / float32 inputs;
+# float32 tiles are twice the bytes, so smaller ones stay in registers and shared memory.
+PREFILL_TILES = {False: (128, 64, 8, 3), True: (32, 32, 4, 2)}
 
 
 @triton.jit
@@ -265,8 +268,7 @@ def paged_attention(
     if num_rest > 0:
         if max_seqlen_q is None:
             max_seqlen_q = int((cu_seqlens_q[num_decode + 1:] - cu_seqlens_q[num_decode:-1]).max())
-        # fp32 tiles are twice the bytes: smaller tiles keep them in registers / shared memory.
-        block_m, block_n, warps, stages = (128, 64, 8, 3) if q.dtype != torch.float32 else (32, 32, 4, 2)
+        block_m, block_n, warps, stages = PREFILL_TILES[q.dtype == torch.float32]
         grid = (triton.cdiv(max(max_seqlen_q, 1), block_m), heads, num_rest)
         _attn_prefill_kernel[grid](
             q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q,

@@ -41,6 +41,8 @@ def _conv_varlen_kernel(
     src = tl.load(src_ptr + seq, mask=in_seq, other=-1)
     valid = in_seq & (src >= 0)
     pos = t - start  # position inside the sequence
+    # Only the first K-1 tokens of a sequence read the saved state; most tiles have none.
+    reads_state = tl.min(tl.where(valid, pos, K - 1), axis=0) < K - 1
     state_row = src.to(tl.int64) * stride_slot
     acc = tl.zeros((BT, BD), dtype=tl.float32)
     for j in tl.static_range(K):
@@ -50,10 +52,11 @@ def _conv_varlen_kernel(
         from_x = valid & (p >= 0)
         xv = tl.load(x_ptr + (t + j - (K - 1))[:, None] * stride_xt + d[None, :],
                      mask=from_x[:, None] & d_in[None, :], other=0.0).to(tl.float32)
-        from_state = valid & (p < 0)
-        sv = tl.load(states_ptr + state_row[:, None] + d[None, :] * stride_sd + (p + K - 1)[:, None] * stride_sk,
-                     mask=from_state[:, None] & d_in[None, :], other=0.0).to(tl.float32)
-        acc += (xv + sv) * w[None, :]
+        if reads_state:
+            from_state = valid & (p < 0)
+            xv += tl.load(states_ptr + state_row[:, None] + d[None, :] * stride_sd + (p + K - 1)[:, None] * stride_sk,
+                          mask=from_state[:, None] & d_in[None, :], other=0.0).to(tl.float32)
+        acc += xv * w[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + d, mask=d_in, other=0.0).to(tl.float32)[None, :]
     if SILU:
@@ -115,7 +118,7 @@ def causal_conv1d_varlen(
         return y
     x, weight = _unit_last_stride(x), _unit_last_stride(weight)
     tok_seq = token_to_seq(cu_seqlens, num_tokens)
-    bt, bd = 32, 128
+    bt, bd = 64, 128
     grid = (triton.cdiv(num_tokens, bt), triton.cdiv(dim, bd))
     _conv_varlen_kernel[grid](
         x, weight, bias if bias is not None else weight, conv_states, y, cu_seqlens, tok_seq, src_slots,

@@ -62,18 +62,28 @@ def _grouped_gemm_kernel(
              mask=r_in[:, None] & c_in[None, :])
 
 
+def gemm_tiles(dtype: torch.dtype, act: int, num_rows: int) -> tuple[int, int, int]:
+    """(BM, BN, BK) of the Triton grouped GEMM.
+
+    Few rows (decode) leave most row tiles empty and the op reads expert weights: narrow
+    column tiles give more programs to stream them. Otherwise 16-bit takes wide column
+    tiles (SwiGLU keeps two accumulators, so half as wide); float32 tiles are twice the
+    bytes, so smaller.
+    """
+    if dtype == torch.float32:
+        return 32, 32, 32
+    if num_rows <= 64:
+        return 64, 32, 64
+    return 64, (64 if act == 2 else 128), 64
+
+
 def _grouped_gemm_triton(
     a: torch.Tensor, a_rows: torch.Tensor | None, w: torch.Tensor, counts: torch.Tensor, ends: torch.Tensor,
     num_rows: int, act: int, out_cols: int,
 ) -> torch.Tensor:
     """out[r] = act(a[a_rows[r]] @ w[e(r)]^T) for sorted rows r grouped by expert (ends: group ends)."""
     num_experts = w.shape[0]
-    # 16-bit: wide column tiles (SwiGLU keeps two accumulators, so half as wide); float32
-    # tiles are twice the bytes, so smaller.
-    if a.dtype == torch.float32:
-        bm, bn, bk = 32, 32, 32
-    else:
-        bm, bn, bk = 64, (64 if act == 2 else 128), 64
+    bm, bn, bk = gemm_tiles(a.dtype, act, num_rows)
     # Tile map on the device: tile i belongs to the expert whose cumulative tile count
     # first exceeds i; tiles past the total get expert -1.
     tiles = (counts + bm - 1) // bm
