@@ -23,6 +23,7 @@ import torch
 from cache.kv_cache import KVBlockAllocator
 from cache.mamba_cache import MambaSlotAllocator
 from hybrid_engine.config import EngineConfig
+from hybrid_engine.cuda_graphs import DECODE_OPS, DecodeGraphs
 from hybrid_engine.detokenizer import IncrementalDetokenizer
 from hybrid_engine.models.embedded import EMBEDDED_CONFIG, EMBEDDED_MODEL_NAME, EMBEDDED_WEIGHT_SEED
 from hybrid_engine.models.loader import load_model, read_config
@@ -80,6 +81,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, self.mamba, cfg.max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv, self.mamba, cfg.max_num_batched_tokens, self.max_model_len,
                                   self.device)
+        if cfg.cuda_graphs:
+            self._capture_graphs(max_num_seqs)
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self._seed_counter = 0
@@ -92,6 +95,17 @@ class LLMEngine:
             "(%d blocks x %d)", self.model_name, self.device, cfg.dtype, self.kernels.name, max_num_seqs,
             num_blocks * cfg.kv_block_size, num_blocks, cfg.kv_block_size,
         )
+
+    def _capture_graphs(self, max_num_seqs: int) -> None:
+        """Capture decode CUDA graphs when every decode op is a sync-free fast kernel."""
+        slow = [op for op in DECODE_OPS if "reference" in self.kernels.describe()[op]]
+        if slow:
+            logger.warning("CUDA graphs disabled: decode ops %s have no fast kernel here", slow)
+            return
+        graphs = DecodeGraphs(self.runner, max_num_seqs)
+        graphs.capture()
+        self.runner.graphs = graphs
+        self.runner.buffer.num_syncs = 0  # capture's own copies are not steps
 
     # ---- sizing ----------------------------------------------------------------------
     def _size_pools(self) -> tuple[int, int]:
@@ -218,9 +232,9 @@ class LLMEngine:
     def _launch(self, sched: SchedulerOutput, prev: StepHandle | None) -> StepHandle:
         plan = self.runner.prepare(sched, prev)
         self._counters["steps"] += 1
-        self._counters["decode_tokens"] += plan.num_decode
-        self._counters["prefill_tokens"] += plan.num_tokens - plan.num_decode
-        return self.runner.launch(plan, prev)
+        self._counters["decode_tokens"] += len(sched.decodes)
+        self._counters["prefill_tokens"] += sched.num_tokens - len(sched.decodes)
+        return self.runner.launch(plan)
 
     def _retire(self, handle: StepHandle, samples: StepSamples) -> list[RequestOutput]:
         """Bookkeeping of a finished step: commit its valid rows, append and check samples."""

@@ -50,13 +50,11 @@ class StepSamples:
 class StepHandle:
     """A launched step whose samples are on their way to the host.
 
-    `sampled` stays on the device so a launch-ahead step can feed it as input;
     `valid[i]` is cleared when reconciliation rejects row i.
     """
 
-    def __init__(self, plan: StepPlan, sampled: torch.Tensor, host_out: torch.Tensor,
-                 event: torch.cuda.Event | None):
-        self.plan, self.sampled = plan, sampled
+    def __init__(self, plan: StepPlan, host_out: torch.Tensor, event: torch.cuda.Event | None):
+        self.plan = plan
         self._host_out, self._event = host_out, event
         self.valid = [True] * plan.num_seqs
 
@@ -101,6 +99,11 @@ class ModelRunner:
         self._host_out = [torch.zeros(self.max_seqs, 1 + 2 * 21, dtype=torch.float64, pin_memory=pin)
                           for _ in range(2)]
         self._launches = 0
+        # The newest launched step's samples, row by row, at a fixed address: a launch-ahead
+        # step gathers its decode inputs here (CUDA graphs need fixed input addresses).
+        # Stream order makes step N+1 read N's samples before writing its own.
+        self._sampled = torch.zeros(self.max_seqs, dtype=torch.int64, device=device)
+        self.graphs = None  # DecodeGraphs, when CUDA graphs are enabled
 
     # ---- host side -------------------------------------------------------------------
     def _state_slots(self, request: Request) -> tuple[int, int]:
@@ -190,6 +193,42 @@ class ModelRunner:
         plan = self._write_sampling(sched, n_dec, t, max(c.num_tokens for c in chunks))
         plan.num_from_prev = sum(i >= 0 for i in from_prev)
         plan.num_new_slots = len(new_slots)
+        if self.graphs is not None:
+            size = self.graphs.padded_size(n_dec, plan.num_prefill, plan.use_penalties, plan.num_logprobs)
+            if size is not None:
+                self._write_padding(plan, size)
+        self.buffer.sync()
+        return plan
+
+    def _write_padding(self, plan: StepPlan, size: int) -> None:
+        """Grow a decode-only step to `size` rows with rows that touch no state (for a graph)."""
+        h, lo = self.buffer.host, plan.num_seqs
+        if size > lo:
+            rows = torch.arange(lo, size)
+            for name in ("input_ids", "positions", "seeds", "output_pos", "history_rows", "prompt_lens",
+                         "history_lens"):
+                h[name][lo:size] = 0
+            h["prompt_token_mask"][lo:size] = False
+            for name in ("slot_mapping", "mamba_src", "mamba_dst", "input_from_prev"):
+                h[name][lo:size] = -1
+            h["cu_seqlens_q"][lo + 1:size + 1] = rows.to(torch.int32) + 1
+            h["seq_lens"][lo:size] = 0
+            h["block_tables"][lo:size] = 0
+            h["logits_indices"][lo:size] = rows
+            h["top_k"][lo:size] = 0
+            for name, value in (("temperature", 0.0), ("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0),
+                                ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
+                h[name][lo:size] = value
+        h["prefill_cu_seqlens"][0] = 0
+        plan.num_decode = plan.num_tokens = size
+        plan.max_seqlen_q = 1
+        plan.num_from_prev = size  # the graph always gathers (rows of -1 keep the host ids)
+
+    def padding_plan(self, size: int, all_greedy: bool) -> StepPlan:
+        """A decode step of `size` padding rows, written and mirrored (for graph capture)."""
+        plan = StepPlan(sched=SchedulerOutput(), num_decode=0, num_prefill=0, num_tokens=0, max_seqlen_q=1,
+                        num_logprobs=-1, all_greedy=all_greedy, use_penalties=False, num_from_prev=0)
+        self._write_padding(plan, size)
         self.buffer.sync()
         return plan
 
@@ -250,24 +289,35 @@ class ModelRunner:
             token_history=history, prompt_len=prompt_len, history_len=history_len,
         )
 
-    @torch.inference_mode()
-    def launch(self, plan: StepPlan, prev: StepHandle | None = None) -> StepHandle:
-        """Run forward + sampling for a prepared step; samples start copying to the host."""
-        if plan.num_new_slots:
-            self.mamba.zero_slots(self.buffer.device["new_state_slots"][: plan.num_new_slots])
+    def forward_sample(self, plan: StepPlan) -> torch.Tensor:
+        """The device work of a step: inputs -> forward -> logits -> samples, packed as
+        float64 [S, 1 (+ 2 (1+K) logprob columns)]. Sync-free with the fast kernels, so a
+        decode step of this shape can be captured as one CUDA graph."""
+        d = self.buffer.device
         meta = self.forward_meta(plan)
-        input_ids = self.buffer.device["input_ids"][: plan.num_tokens]
-        if plan.num_from_prev:
-            rows = self.buffer.device["input_from_prev"][: plan.num_decode]
-            fed = prev.sampled[rows.clamp(min=0)]
+        input_ids = d["input_ids"][: plan.num_tokens]
+        if plan.num_from_prev:  # decode inputs still on the device: the previous step's samples
+            rows = d["input_from_prev"][: plan.num_decode]
+            fed = self._sampled[rows.clamp(min=0)]
             input_ids[: plan.num_decode] = torch.where(rows >= 0, fed, input_ids[: plan.num_decode])
         hidden = self.model(input_ids, meta)
         logits = self.model.compute_logits(hidden[meta.logits_indices])
         out = sample(logits, self._sampling_tensors(plan, meta, input_ids), num_logprobs=plan.num_logprobs,
                      all_greedy=plan.all_greedy, use_penalties=plan.use_penalties)
+        self._sampled[: plan.num_seqs].copy_(out.sampled_token_ids)
         packed = out.sampled_token_ids.double()[:, None]
         if out.logprobs is not None:
             packed = torch.cat([packed, out.logprobs.double(), out.logprob_token_ids.double()], dim=1)
+        return packed
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> StepHandle:
+        """Run a prepared step (a graph replay when one fits); samples start copying to the host."""
+        if plan.num_new_slots:
+            self.mamba.zero_slots(self.buffer.device["new_state_slots"][: plan.num_new_slots])
+        packed = self.graphs.replay(plan) if self.graphs is not None else None
+        if packed is None:
+            packed = self.forward_sample(plan)
         host_out = self._host_out[self._launches % 2]
         self._launches += 1
         host_out[: plan.num_seqs, : packed.shape[1]].copy_(packed, non_blocking=True)
@@ -275,4 +325,4 @@ class ModelRunner:
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        return StepHandle(plan, out.sampled_token_ids, host_out, event)
+        return StepHandle(plan, host_out, event)
