@@ -60,6 +60,7 @@ class LLMEngine:
     """Continuous-batching engine over a paged KV cache and a Mamba state slot pool."""
 
     def __init__(self, config: EngineConfig):
+        self._user_max_num_seqs = config.max_num_seqs is not None
         self.config = cfg = config.resolve()
         self.device = torch.device(cfg.device)
         hf_config, path, self.tokenizer, self.model_name, weight_seed = _resolve_model(cfg)
@@ -109,14 +110,17 @@ class LLMEngine:
 
     # ---- sizing ----------------------------------------------------------------------
     def _size_pools(self) -> tuple[int, int]:
-        """(max_num_seqs, num_kv_blocks): given values win; on CUDA the rest fills memory."""
+        """(max_num_seqs, num_kv_blocks): given values win; on CUDA the rest fills memory.
+
+        A default `max_num_seqs` shrinks until its Mamba state takes at most half of what
+        is left after weights and activations (the rest is KV cache); an explicit one that
+        does not fit is an error.
+        """
         cfg, mc = self.config, self.model_config
         max_num_seqs = cfg.max_num_seqs
-        if cfg.num_kv_blocks is not None:
-            return max_num_seqs, cfg.num_kv_blocks
         tokens_needed = max_num_seqs * self.max_model_len
         if self.device.type != "cuda":
-            return max_num_seqs, -(-tokens_needed // cfg.kv_block_size)
+            return max_num_seqs, cfg.num_kv_blocks or -(-tokens_needed // cfg.kv_block_size)
         free, total = torch.cuda.mem_get_info(self.device)
         budget = free - (1.0 - cfg.gpu_memory_utilization) * total
         seq_bytes = MambaSlotAllocator.bytes_per_seq(len(mc.mamba_layers), mc.mamba_conv_dim, mc.conv_kernel - 1,
@@ -126,9 +130,17 @@ class LLMEngine:
         width = max(mc.hidden_size * 4, mc.mamba_d_ssm * 2 + mc.mamba_conv_dim, mc.intermediate_size,
                     mc.moe_intermediate_size * max(mc.top_k, 1))
         reserve = cfg.max_num_batched_tokens * width * 4 * 6 + max_num_seqs * mc.vocab_size * 4 * 8 + (1 << 30)
+        left = budget - reserve
+        if not self._user_max_num_seqs and max_num_seqs * seq_bytes > left / 2:
+            max_num_seqs = max(1, int(left / 2 // seq_bytes))
+            tokens_needed = max_num_seqs * self.max_model_len
+            logger.info("max_num_seqs lowered to %d so Mamba state (%.1f MiB per request) fits", max_num_seqs,
+                        seq_bytes / 2**20)
+        if cfg.num_kv_blocks is not None:
+            return max_num_seqs, cfg.num_kv_blocks
         block_bytes = KVBlockAllocator.bytes_per_block(cfg.kv_block_size, max(len(mc.attention_layers), 1),
                                                        mc.num_kv_heads, mc.head_dim, cfg.torch_dtype)
-        left = budget - reserve - max_num_seqs * seq_bytes
+        left -= max_num_seqs * seq_bytes
         if left < block_bytes * self.kv_blocks_floor():
             raise ValueError(
                 f"not enough GPU memory for {max_num_seqs} Mamba state slots ({seq_bytes / 2**20:.1f} MiB each) and "
