@@ -320,7 +320,7 @@ def _grouped_mm_ok(dtype: torch.dtype) -> bool:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens", [1, 5, 64])
+@pytest.mark.parametrize("tokens", [1, 5, 64, 1100])  # 1100 x top-2 rows: the prefill-sized GEMM tiles
 @pytest.mark.parametrize("activation", ["relu2", "swiglu"])
 @pytest.mark.parametrize("torch_grouped_mm", [True, False])
 def test_moe_experts(dtype: torch.dtype, tokens: int, activation: str, torch_grouped_mm: bool) -> None:

@@ -118,7 +118,7 @@ def causal_conv1d_varlen(
         return y
     x, weight = _unit_last_stride(x), _unit_last_stride(weight)
     tok_seq = token_to_seq(cu_seqlens, num_tokens)
-    bt, bd = 64, 128
+    bt, bd = 32, 128
     grid = (triton.cdiv(num_tokens, bt), triton.cdiv(dim, bd))
     _conv_varlen_kernel[grid](
         x, weight, bias if bias is not None else weight, conv_states, y, cu_seqlens, tok_seq, src_slots,
