@@ -24,9 +24,16 @@ def test_graphs_are_captured_and_replayed():
     assert graphs is not None and graphs.sizes == [1, 2, 4, 8]
     replays = []
     original = graphs.replay
-    graphs.replay = lambda plan: replays.append(plan.num_decode) or original(plan)
+
+    def recording_replay(plan):
+        out = original(plan)
+        if out is not None:
+            replays.append(plan.num_decode)
+        return out
+
+    graphs.replay = recording_replay
     llm.generate(_prompts(5), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
-    assert replays and all(r in graphs.sizes for r in replays)
+    assert len(replays) >= 6 and set(replays) == {8}  # 5 decoders padded to the size-8 graph
 
 
 def test_graphs_on_equals_off_fp32():
