@@ -56,7 +56,7 @@ class StepHandle:
     def __init__(self, plan: StepPlan, host_out: torch.Tensor, event: torch.cuda.Event | None):
         self.plan = plan
         self._host_out, self._event = host_out, event
-        self.valid = [True] * plan.num_seqs
+        self.valid = [True] * len(plan.sched.chunks)  # real rows only: graph padding is not a row
 
     def wait(self) -> StepSamples:
         """Block until the samples are on the host (the step's only host synchronization)."""
