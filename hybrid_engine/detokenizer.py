@@ -43,7 +43,7 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
+        self._skipped_ids = frozenset(tokenizer.all_special_ids) if skip_special_tokens else frozenset()
         # An empty stop string would match everywhere; treat it as absent.
         self._stop = [s for s in stop or [] if s]
         self._include_stop_str_in_output = include_stop_str_in_output
@@ -108,10 +108,14 @@ class IncrementalDetokenizer:
         return delta
 
     def _to_tokens(self, token_ids: list[int]) -> list[str]:
-        """Map ids to token strings, dropping special tokens if asked to."""
-        return self._tokenizer.convert_ids_to_tokens(
-            token_ids, skip_special_tokens=self._skip_special_tokens
-        )
+        """Map ids to token strings, dropping special tokens if asked to.
+
+        Special ids are filtered against a set computed once: transformers rebuilds its
+        special-token list on every `convert_ids_to_tokens(skip_special_tokens=True)` call,
+        which dominated per-token bookkeeping.
+        """
+        kept = [t for t in token_ids if t not in self._skipped_ids]
+        return self._tokenizer.convert_ids_to_tokens(kept) if kept else []
 
     def _decode_next(self, token_id: int) -> str:
         """Add one token to the decode window; return the text it completes."""

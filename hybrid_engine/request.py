@@ -71,6 +71,11 @@ class Request:
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
             self.logprobs = []
+        p = self.params
+        # The per-step sampling fields, computed once (the runner copies them every step).
+        # top_k >= vocab means "off"; the clamp keeps it exact in float32 and int32.
+        self.sampling_row = (p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
+                             p.frequency_penalty, float(min(p.top_k, 1 << 24)))
 
     @property
     def num_tokens(self) -> int:

@@ -146,50 +146,55 @@ class ModelRunner:
         from_prev: list[int] = []
         positions: list[int] = []
         prompt_mask: list[bool] = []
+        per_seq: list[tuple[int, ...]] = []  # the int64 per-sequence fields, converted at once
         cu = [0]
-        src, dst = [], []
         for i, c in enumerate(chunks):
             r = c.request
             self._sync_block_table(r)
-            end = c.start + c.num_tokens
+            start, end = c.start, c.start + c.num_tokens
             n_prompt = len(r.prompt_token_ids)
-            if end > r.num_tokens:  # the newest token is a sample still on the device
-                from_prev.append(prev_rows[id(r)])
-                input_ids.append(0)
-            else:
-                if i < n_dec:
+            if i < n_dec:  # one generated token (decode rows are never prompt tokens)
+                if end > r.num_tokens:  # ...still on the device: the previous step sampled it
+                    from_prev.append(prev_rows[id(r)])
+                    input_ids.append(0)
+                else:
                     from_prev.append(-1)
-                input_ids.extend(r.prompt_token_ids[c.start:min(end, n_prompt)])
-                input_ids.extend(r.output_token_ids[max(c.start - n_prompt, 0): max(end - n_prompt, 0)])
-            positions.extend(range(c.start, end))
-            prompt_mask.extend(p < n_prompt for p in range(c.start, end))
-            cu.append(cu[-1] + c.num_tokens)
-            s, d = self._state_slots(r)
-            src.append(s)
-            dst.append(d)
+                    input_ids.append(r.token_at(start))
+                positions.append(start)
+                prompt_mask.append(False)
+            else:
+                input_ids.extend(r.prompt_token_ids[start:min(end, n_prompt)])
+                input_ids.extend(r.output_token_ids[max(start - n_prompt, 0): max(end - n_prompt, 0)])
+                positions.extend(range(start, end))
+                in_prompt = max(0, min(end, n_prompt) - start)
+                prompt_mask.extend([True] * in_prompt + [False] * (c.num_tokens - in_prompt))
+            cu.append(end - start + cu[-1])
+            src, dst = self._state_slots(r)
+            per_seq.append((r.seq_slot, src, dst, end, r.seed, r.spec_num_outputs - c.samples, n_prompt))
             r.inflight += 1
         t = cu[-1]
-        slots = torch.tensor([c.request.seq_slot for c in chunks], dtype=torch.int64)
+        seq = torch.tensor(per_seq, dtype=torch.int64)
+        slots = seq[:, 0]
+        for col, name in enumerate(("history_rows", "mamba_src", "mamba_dst", "history_lens", "seeds", "output_pos",
+                                    "prompt_lens")):
+            h[name][:n_seq] = seq[:, col]
+        h["seq_lens"][:n_seq] = seq[:, 3]
         pos = torch.tensor(positions, dtype=torch.int64)
         h["input_ids"][:t] = torch.tensor(input_ids, dtype=torch.int64)
         h["positions"][:t] = pos
         h["prompt_token_mask"][:t] = torch.tensor(prompt_mask, dtype=torch.bool)
-        token_seq = torch.repeat_interleave(torch.arange(n_seq), torch.tensor([c.num_tokens for c in chunks]))
-        bs = self.kv.block_size
-        token_slots = slots[token_seq]
-        h["slot_mapping"][:t] = self._block_table[token_slots, pos // bs].long() * bs + pos % bs
         cu_t = torch.tensor(cu, dtype=torch.int32)
+        token_slots = torch.repeat_interleave(slots, cu_t.diff()) if n_dec < n_seq else slots
+        bs = self.kv.block_size
+        h["slot_mapping"][:t] = self._block_table[token_slots, pos // bs].long() * bs + pos % bs
         h["cu_seqlens_q"][: n_seq + 1] = cu_t
         h["prefill_cu_seqlens"][: n_seq - n_dec + 1] = cu_t[n_dec:] - cu[n_dec]
-        h["seq_lens"][:n_seq] = torch.tensor([c.start + c.num_tokens for c in chunks], dtype=torch.int32)
         h["block_tables"][:n_seq] = self._block_table[slots]
-        h["mamba_src"][:n_seq] = torch.tensor(src, dtype=torch.int64)
-        h["mamba_dst"][:n_seq] = torch.tensor(dst, dtype=torch.int64)
         h["logits_indices"][:n_seq] = cu_t[1:].long() - 1
-        h["history_rows"][:n_seq] = slots
         h["input_from_prev"][:n_dec] = torch.tensor(from_prev, dtype=torch.int64)
         new_slots = self.mamba.take_new_slots()
-        h["new_state_slots"][: len(new_slots)] = torch.tensor(new_slots, dtype=torch.int64)
+        if new_slots:
+            h["new_state_slots"][: len(new_slots)] = torch.tensor(new_slots, dtype=torch.int64)
         plan = self._write_sampling(sched, n_dec, t, max(c.num_tokens for c in chunks))
         plan.num_from_prev = sum(i >= 0 for i in from_prev)
         plan.num_new_slots = len(new_slots)
@@ -235,23 +240,12 @@ class ModelRunner:
     def _write_sampling(self, sched: SchedulerOutput, n_dec: int, n_tokens: int, max_q: int) -> StepPlan:
         h = self.buffer.host
         requests = [c.request for c in sched.chunks]
-        params = [r.params for r in requests]
         n = len(requests)
-        h["temperature"][:n] = torch.tensor([p.temperature for p in params])
-        vocab = self.model.config.vocab_size  # top_k >= vocab is "off"; clamping keeps it int32
-        h["top_k"][:n] = torch.tensor([min(p.top_k, vocab) for p in params], dtype=torch.int32)
-        h["top_p"][:n] = torch.tensor([p.top_p for p in params])
-        h["min_p"][:n] = torch.tensor([p.min_p for p in params])
-        h["repetition_penalty"][:n] = torch.tensor([p.repetition_penalty for p in params])
-        h["presence_penalty"][:n] = torch.tensor([p.presence_penalty for p in params])
-        h["frequency_penalty"][:n] = torch.tensor([p.frequency_penalty for p in params])
-        h["seeds"][:n] = torch.tensor([r.seed for r in requests], dtype=torch.int64)
-        # Output index of each row's draw: samples already appended plus those in flight
-        # (the scheduler counted this row's own draw in pending_samples).
-        h["output_pos"][:n] = torch.tensor([r.spec_num_outputs - c.samples for r, c in zip(requests, sched.chunks)],
-                                           dtype=torch.int64)
-        h["prompt_lens"][:n] = torch.tensor([len(r.prompt_token_ids) for r in requests], dtype=torch.int64)
-        h["history_lens"][:n] = h["seq_lens"][:n].long()
+        floats = torch.tensor([r.sampling_row for r in requests], dtype=torch.float32)
+        for col, name in enumerate(("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                                    "frequency_penalty", "top_k")):
+            h[name][:n] = floats[:, col]  # top_k (< 2**24 after clamping) is exact in float32
+        params = [r.params for r in requests]
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         return StepPlan(
             sched=sched, num_decode=n_dec, num_prefill=n - n_dec, num_tokens=n_tokens, max_seqlen_q=max_q,

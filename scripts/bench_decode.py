@@ -92,6 +92,14 @@ def gpu_idle_fraction(llm: LLM, batch: int, prompt: list[int], steps: int = 24) 
     return 1.0 - busy / (spans[-1][1] - spans[0][0])
 
 
+def peer_model_dir() -> str:
+    """A checkpoint directory holding only the peer-shaped config.json (weights are dummy)."""
+    path = tempfile.mkdtemp(prefix="peer-model-")
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(PEER_CONFIG, f)
+    return path
+
+
 def run_batch(llm: LLM, batch: int, prompt_len: int, output_len: int) -> dict:
     """Generate `batch` requests; returns throughput and inter-token latencies."""
     engine = llm.engine
@@ -129,18 +137,14 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args()
-    model = args.model
-    if model == "peer":
-        model = tempfile.mkdtemp(prefix="peer-model-")
-        with open(f"{model}/config.json", "w") as f:
-            json.dump(PEER_CONFIG, f)
+    model = peer_model_dir() if args.model == "peer" else args.model
     bandwidth = copy_bandwidth()
     rows = []
     for mode in args.modes:
         llm = LLM(model=model, load_format="dummy", dtype="bfloat16", max_num_seqs=max(args.batches),
                   max_model_len=args.prompt_len + args.output_len + 64, **MODES[mode])
-        run_batch(llm, min(args.batches), args.prompt_len, 8)  # warm-up (Triton compile / autotune)
         for batch in args.batches:
+            run_batch(llm, batch, args.prompt_len, 4)  # warm-up: Triton compiles / autotunes per shape
             r = run_batch(llm, batch, args.prompt_len, args.output_len)
             floor_ms = 1e3 * step_bytes(llm, batch, args.prompt_len + args.output_len // 2) / bandwidth
             idle = gpu_idle_fraction(llm, batch, list(range(3, 3 + args.prompt_len)))
