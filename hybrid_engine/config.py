@@ -16,7 +16,7 @@ class EngineConfig:
     async_scheduling: bool = True
     cuda_graphs: bool = True
     max_num_seqs: int | None = None  # default: 256 on CUDA, 16 on CPU
-    max_num_batched_tokens: int | None = None  # default: max(2048, max_num_seqs)
+    max_num_batched_tokens: int | None = None  # default: max(8192 on CUDA / 2048 on CPU, max_num_seqs)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     kv_block_size: int | None = None  # default: 64 on CUDA, 16 on CPU
     num_kv_blocks: int | None = None  # default: sized from gpu_memory_utilization (CPU: enough for all seqs)
@@ -42,7 +42,8 @@ class EngineConfig:
                "dtype": self.dtype if self.dtype != "auto" else ("bfloat16" if on_gpu else "float32"),
                "cuda_graphs": self.cuda_graphs and on_gpu,
                "max_num_seqs": max_num_seqs,
-               "max_num_batched_tokens": _default(self.max_num_batched_tokens, max(2048, max_num_seqs)),
+               "max_num_batched_tokens": _default(self.max_num_batched_tokens,
+                                                  max(8192 if on_gpu else 2048, max_num_seqs)),
                "kv_block_size": _default(self.kv_block_size, 64 if on_gpu else 16)}
         )
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_block_size"):

@@ -96,7 +96,9 @@ class ModelRunner:
         # Alternating pinned buffers: with launch-ahead two steps are outstanding, and step
         # N's samples are read before step N+2 is launched.
         pin = device.type == "cuda"
-        self._host_out = [torch.zeros(self.max_seqs, 1 + 2 * 21, dtype=torch.float64, pin_memory=pin)
+        # Flat buffers, viewed contiguously per step: a non_blocking copy into a strided
+        # pinned slice is staged through a temporary and silently synchronizes.
+        self._host_out = [torch.zeros(self.max_seqs * (1 + 2 * 21), dtype=torch.float64, pin_memory=pin)
                           for _ in range(2)]
         self._launches = 0
         # The newest launched step's samples, row by row, at a fixed address: a launch-ahead
@@ -312,9 +314,9 @@ class ModelRunner:
         packed = self.graphs.replay(plan) if self.graphs is not None else None
         if packed is None:
             packed = self.forward_sample(plan)
-        host_out = self._host_out[self._launches % 2]
+        host_out = self._host_out[self._launches % 2][: packed.numel()].view(packed.shape)
         self._launches += 1
-        host_out[: plan.num_seqs, : packed.shape[1]].copy_(packed, non_blocking=True)
+        host_out.copy_(packed, non_blocking=True)
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
