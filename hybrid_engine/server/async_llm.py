@@ -99,7 +99,7 @@ class _Abort:
 
 
 class _Stop:
-    pass
+    """Command: leave the engine loop."""
 
 
 class Generation:
