@@ -15,7 +15,7 @@ class RequestStatus(Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """One request's state as returned by `LLM.generate` / `LLMEngine.step`.
 
@@ -76,6 +76,7 @@ class Request:
         # top_k >= vocab means "off"; the clamp keeps it exact in float32 and int32.
         self.sampling_row = (p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
                              p.frequency_penalty, float(min(p.top_k, 1 << 24)))
+        self.greedy, self.uses_penalties = p.greedy, p.uses_penalties
 
     @property
     def num_tokens(self) -> int:
@@ -94,11 +95,6 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
-
-    @property
-    def is_decoding(self) -> bool:
-        """Everything but the newest (possibly in-flight) sample is launched: next step feeds one token."""
-        return self.spec_num_outputs > 0 and self.num_scheduled == self.spec_num_tokens - 1
 
     def token_at(self, position: int) -> int:
         n = len(self.prompt_token_ids)

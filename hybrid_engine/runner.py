@@ -88,6 +88,11 @@ class ModelRunner:
         self._block_table = torch.zeros(self.max_seqs, self.max_blocks_per_seq, dtype=torch.int32)
         self._block_table_len = [0] * self.max_seqs
         self._block_table_owner: list[list[int] | None] = [None] * self.max_seqs
+        # Per-slot constants of the request holding the slot (sampling row, seed, prompt
+        # length), written once when a request takes the slot and gathered every step.
+        self._slot_owner: list[Request | None] = [None] * self.max_seqs
+        self._slot_sampling = torch.zeros(self.max_seqs, 7, dtype=torch.float32)
+        self._slot_consts = torch.zeros(self.max_seqs, 2, dtype=torch.int64)
         # Token history per request slot, written on device from each step's inputs
         # (idempotent: position p always holds the same token), read for penalties.
         self._history = torch.zeros(self.max_seqs, max_model_len, dtype=torch.int64, device=device)
@@ -108,17 +113,12 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs, when CUDA graphs are enabled
 
     # ---- host side -------------------------------------------------------------------
-    def _state_slots(self, request: Request) -> tuple[int, int]:
-        """(read, write) state slots: equal in place; the other copy under ping-pong.
-
-        Under ping-pong a row reads the copy its predecessor wrote: the committed copy
-        flipped once per launched row still in flight (at most one).
-        """
-        base = request.seq_slot * self.mamba.copies
-        if self.mamba.copies == 1:
-            return base, base
-        parity = request.state_parity ^ (request.inflight & 1)
-        return base + parity, base + 1 - parity
+    def _claim_slot(self, request: Request) -> None:
+        """Record the constants of a request that newly holds its slot."""
+        slot = request.seq_slot
+        self._slot_owner[slot] = request
+        self._slot_sampling[slot] = torch.tensor(request.sampling_row)
+        self._slot_consts[slot, 0], self._slot_consts[slot, 1] = request.seed, len(request.prompt_token_ids)
 
     def _sync_block_table(self, request: Request) -> None:
         """Copy the request's newly allocated block ids into its slot's host table row.
@@ -148,38 +148,54 @@ class ModelRunner:
         from_prev: list[int] = []
         positions: list[int] = []
         prompt_mask: list[bool] = []
-        per_seq: list[tuple[int, ...]] = []  # the int64 per-sequence fields, converted at once
+        per_seq: list[int] = []  # (slot, src, dst, end, output_pos) per sequence, converted at once
         cu = [0]
+        copies = self.mamba.copies
+        owners, bt_owner, bt_len = self._slot_owner, self._block_table_owner, self._block_table_len
         for i, c in enumerate(chunks):
+            # Runs for every row every step: kept flat on purpose (no helper calls unless
+            # the slot changed hands or the request got a new block).
             r = c.request
-            self._sync_block_table(r)
+            slot = r.seq_slot
+            if owners[slot] is not r:
+                self._claim_slot(r)
+            if bt_owner[slot] is not r.blocks or bt_len[slot] != len(r.blocks):
+                self._sync_block_table(r)
             start, end = c.start, c.start + c.num_tokens
-            n_prompt = len(r.prompt_token_ids)
+            prompt, output = r.prompt_token_ids, r.output_token_ids
+            n_prompt = len(prompt)
             if i < n_dec:  # one generated token (decode rows are never prompt tokens)
-                if end > r.num_tokens:  # ...still on the device: the previous step sampled it
+                if end > n_prompt + len(output):  # ...still on the device: the previous step sampled it
                     from_prev.append(prev_rows[id(r)])
                     input_ids.append(0)
                 else:
                     from_prev.append(-1)
-                    input_ids.append(r.token_at(start))
+                    input_ids.append(output[start - n_prompt] if start >= n_prompt else prompt[start])
                 positions.append(start)
                 prompt_mask.append(False)
             else:
-                input_ids.extend(r.prompt_token_ids[start:min(end, n_prompt)])
-                input_ids.extend(r.output_token_ids[max(start - n_prompt, 0): max(end - n_prompt, 0)])
+                input_ids.extend(prompt[start:min(end, n_prompt)])
+                input_ids.extend(output[max(start - n_prompt, 0): max(end - n_prompt, 0)])
                 positions.extend(range(start, end))
                 in_prompt = max(0, min(end, n_prompt) - start)
                 prompt_mask.extend([True] * in_prompt + [False] * (c.num_tokens - in_prompt))
             cu.append(end - start + cu[-1])
-            src, dst = self._state_slots(r)
-            per_seq.append((r.seq_slot, src, dst, end, r.seed, r.spec_num_outputs - c.samples, n_prompt))
+            # State slots: read == write in place; under ping-pong a row reads the copy
+            # its predecessor wrote -- the committed copy, flipped once per launched row
+            # still in flight (at most one) -- and writes the other.
+            parity = r.state_parity ^ (r.inflight & 1) if copies == 2 else 0
+            base = slot * copies
+            dst = base + 1 - parity if copies == 2 else base
+            per_seq += (slot, base + parity, dst, end, len(output) + r.pending_samples - c.samples)
             r.inflight += 1
         t = cu[-1]
-        seq = torch.tensor(per_seq, dtype=torch.int64)
+        seq = torch.tensor(per_seq, dtype=torch.int64).view(n_seq, 5)
         slots = seq[:, 0]
-        for col, name in enumerate(("history_rows", "mamba_src", "mamba_dst", "history_lens", "seeds", "output_pos",
-                                    "prompt_lens")):
+        for col, name in enumerate(("history_rows", "mamba_src", "mamba_dst", "history_lens", "output_pos")):
             h[name][:n_seq] = seq[:, col]
+        consts = self._slot_consts[slots]
+        h["seeds"][:n_seq] = consts[:, 0]
+        h["prompt_lens"][:n_seq] = consts[:, 1]
         h["seq_lens"][:n_seq] = seq[:, 3]
         pos = torch.tensor(positions, dtype=torch.int64)
         h["input_ids"][:t] = torch.tensor(input_ids, dtype=torch.int64)
@@ -197,7 +213,7 @@ class ModelRunner:
         new_slots = self.mamba.take_new_slots()
         if new_slots:
             h["new_state_slots"][: len(new_slots)] = torch.tensor(new_slots, dtype=torch.int64)
-        plan = self._write_sampling(sched, n_dec, t, max(c.num_tokens for c in chunks))
+        plan = self._write_sampling(sched, slots, n_dec, t, max(c.num_tokens for c in chunks))
         plan.num_from_prev = sum(i >= 0 for i in from_prev)
         plan.num_new_slots = len(new_slots)
         if self.graphs is not None:
@@ -239,21 +255,21 @@ class ModelRunner:
         self.buffer.sync()
         return plan
 
-    def _write_sampling(self, sched: SchedulerOutput, n_dec: int, n_tokens: int, max_q: int) -> StepPlan:
+    def _write_sampling(self, sched: SchedulerOutput, slots: torch.Tensor, n_dec: int, n_tokens: int,
+                        max_q: int) -> StepPlan:
         h = self.buffer.host
         requests = [c.request for c in sched.chunks]
         n = len(requests)
-        floats = torch.tensor([r.sampling_row for r in requests], dtype=torch.float32)
+        sampling = self._slot_sampling[slots]
         for col, name in enumerate(("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                                     "frequency_penalty", "top_k")):
-            h[name][:n] = floats[:, col]  # top_k (< 2**24 after clamping) is exact in float32
-        params = [r.params for r in requests]
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
+            h[name][:n] = sampling[:, col]  # top_k (< 2**24 after clamping) is exact in float32
+        wanted = [r.params.logprobs for r in requests if r.params.logprobs is not None]
         return StepPlan(
             sched=sched, num_decode=n_dec, num_prefill=n - n_dec, num_tokens=n_tokens, max_seqlen_q=max_q,
             num_logprobs=max(wanted) if wanted else -1,
-            all_greedy=all(p.greedy for p in params),
-            use_penalties=any(p.uses_penalties for p in params), num_from_prev=0,
+            all_greedy=all(r.greedy for r in requests),
+            use_penalties=any(r.uses_penalties for r in requests), num_from_prev=0,
         )
 
     # ---- device side -----------------------------------------------------------------

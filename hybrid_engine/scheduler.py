@@ -28,7 +28,7 @@ from cache.mamba_cache import MambaSlotAllocator
 from hybrid_engine.request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     """`num_tokens` tokens of `request` starting at position `start`; `samples`: the chunk
     reaches the request's last token, so its last logits draw the next token."""
@@ -118,29 +118,31 @@ class Scheduler:
         chunk.request.num_scheduled = chunk.start
         chunk.request.pending_samples -= chunk.samples
 
-    def _surely_done(self, request: Request) -> bool:
-        """An in-flight sample will end the request whatever its value: don't plan past it."""
-        params = request.params
-        return request.pending_samples > 0 and (
-            request.spec_num_outputs >= params.max_tokens or request.spec_num_tokens >= self.max_model_len
-        )
-
     def _try_schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        block_size, running, paused = self.kv.block_size, RequestStatus.RUNNING, RequestStatus.PAUSED
+        decodes = out.decodes
         for request in self.running:
             if budget == 0:
                 break
-            if self._surely_done(request):
+            # Runs for every request every step: kept flat on purpose. A request whose
+            # in-flight sample will surely end it is not planned past; a decoder (all but
+            # its newest token launched) takes one token, reserving a block only at a
+            # block boundary.
+            scheduled = request.num_scheduled
+            n_out = len(request.output_token_ids) + request.pending_samples
+            n_tokens = len(request.prompt_token_ids) + n_out
+            if request.pending_samples and (n_out >= request.params.max_tokens or n_tokens >= self.max_model_len):
                 continue
-            if request.is_decoding:
-                if not self._reserve(request, request.num_scheduled + 1):
-                    if request.status is RequestStatus.RUNNING:
-                        request.status = RequestStatus.PAUSED
+            if n_out and scheduled == n_tokens - 1:
+                if scheduled >= len(request.blocks) * block_size and not self._reserve(request, scheduled + 1):
+                    if request.status is running:
+                        request.status = paused
                         self.num_pauses += 1
                     continue
-                request.status = RequestStatus.RUNNING
-                out.decodes.append(ScheduledChunk(request, request.num_scheduled, 1, samples=True))
+                request.status = running
+                decodes.append(ScheduledChunk(request, scheduled, 1, True))
                 budget -= 1
             else:
                 chunk = self._prefill_chunk(request, budget)
