@@ -42,20 +42,25 @@ class _Field:
     shape: tuple[int, ...]
 
 
+# Groups of consecutive same-dtype, same-length fields: the bookkeeping writes each group
+# with one strided copy through a 2-D view (`StepBuffer.host_group`), not field by field.
+TOKEN_I64 = ("input_ids", "positions", "slot_mapping")
+SEQ_I64 = ("mamba_src", "mamba_dst", "input_from_prev", "logits_indices", "seeds", "output_pos", "history_rows",
+           "prompt_lens", "history_lens")
+SAMPLING_F32 = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+GROUPS = {"token_i64": TOKEN_I64, "seq_i64": SEQ_I64, "sampling_f32": SAMPLING_F32}
+
+
 def _fields(max_tokens: int, max_seqs: int, max_blocks: int) -> list[_Field]:
     t, s = (max_tokens,), (max_seqs,)
-    i64 = ["input_ids", "positions", "slot_mapping"]
-    s64 = ["mamba_src", "mamba_dst", "input_from_prev", "logits_indices", "seeds", "output_pos", "history_rows", "prompt_lens",
-           "history_lens"]
-    f32 = ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"]
     return (
-        [_Field(n, torch.int64, t) for n in i64]
-        + [_Field(n, torch.int64, s) for n in s64]
+        [_Field(n, torch.int64, t) for n in TOKEN_I64]
+        + [_Field(n, torch.int64, s) for n in SEQ_I64]
         + [_Field("new_state_slots", torch.int64, (2 * max_seqs,))]
         + [_Field("cu_seqlens_q", torch.int32, (max_seqs + 1,)), _Field("prefill_cu_seqlens", torch.int32, (max_seqs + 1,)),
            _Field("seq_lens", torch.int32, s), _Field("block_tables", torch.int32, (max_seqs, max_blocks)),
            _Field("top_k", torch.int32, s)]
-        + [_Field(n, torch.float32, s) for n in f32]
+        + [_Field(n, torch.float32, s) for n in SAMPLING_F32]
         + [_Field("prompt_token_mask", torch.bool, t)]
     )
 
@@ -70,6 +75,16 @@ def _views(buffer: torch.Tensor, fields: list[_Field]) -> dict[str, torch.Tensor
         views[f.name] = buffer[offset: offset + numel * itemsize].view(f.dtype).view(f.shape)
         offset += numel * itemsize
     return views
+
+
+def _group(views: dict[str, torch.Tensor], names: tuple[str, ...]) -> torch.Tensor:
+    """One 2-D view over fields that lie back to back in the buffer."""
+    first = views[names[0]]
+    step = first.numel()
+    for i, name in enumerate(names):
+        if views[name].data_ptr() != first.data_ptr() + i * step * first.element_size():
+            raise RuntimeError(f"step buffer layout: field {name!r} does not follow {names[i - 1]!r}")
+    return first.as_strided((len(names), step), (step, 1))
 
 
 def _layout_bytes(fields: list[_Field]) -> int:
@@ -100,6 +115,7 @@ class StepBuffer:
         pin = device.type == "cuda"
         self._host_bytes = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         self._host_views = [_views(b, fields) for b in self._host_bytes]
+        self._host_groups = [{g: _group(views, names) for g, names in GROUPS.items()} for views in self._host_views]
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._current = 0
         self._device_bytes = torch.zeros(nbytes, dtype=torch.uint8, device=device)
@@ -110,6 +126,10 @@ class StepBuffer:
     def host(self) -> dict[str, torch.Tensor]:
         """Views of the host buffer the next step is written into."""
         return self._host_views[self._current]
+
+    def host_group(self, name: str) -> torch.Tensor:
+        """2-D view `[fields, rows]` of a field group (`GROUPS`) in the current host buffer."""
+        return self._host_groups[self._current][name]
 
     @property
     def nbytes(self) -> int:

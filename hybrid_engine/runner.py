@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cache.context import StepBuffer
+from cache.context import SEQ_I64, StepBuffer
 from cache.kv_cache import KVBlockAllocator
 from cache.mamba_cache import MambaSlotAllocator
 from hybrid_engine.models.base import HybridForCausalLM
@@ -88,11 +88,12 @@ class ModelRunner:
         self._block_table = torch.zeros(self.max_seqs, self.max_blocks_per_seq, dtype=torch.int32)
         self._block_table_len = [0] * self.max_seqs
         self._block_table_owner: list[list[int] | None] = [None] * self.max_seqs
-        # Per-slot constants of the request holding the slot (sampling row, seed, prompt
-        # length), written once when a request takes the slot and gathered every step.
+        # Sampling parameters of the request holding each slot, written once when a
+        # request takes the slot and gathered every step.
         self._slot_owner: list[Request | None] = [None] * self.max_seqs
         self._slot_sampling = torch.zeros(self.max_seqs, 7, dtype=torch.float32)
-        self._slot_consts = torch.zeros(self.max_seqs, 2, dtype=torch.int64)
+        # Greedy, no filters, no penalties: what graph padding rows sample with.
+        self._neutral_sampling = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 0.0])[:, None]
         # Token history per request slot, written on device from each step's inputs
         # (idempotent: position p always holds the same token), read for penalties.
         self._history = torch.zeros(self.max_seqs, max_model_len, dtype=torch.int64, device=device)
@@ -114,11 +115,9 @@ class ModelRunner:
 
     # ---- host side -------------------------------------------------------------------
     def _claim_slot(self, request: Request) -> None:
-        """Record the constants of a request that newly holds its slot."""
-        slot = request.seq_slot
-        self._slot_owner[slot] = request
-        self._slot_sampling[slot] = torch.tensor(request.sampling_row)
-        self._slot_consts[slot, 0], self._slot_consts[slot, 1] = request.seed, len(request.prompt_token_ids)
+        """Record the sampling row of a request that newly holds its slot."""
+        self._slot_owner[request.seq_slot] = request
+        self._slot_sampling[request.seq_slot] = torch.tensor(request.sampling_row)
 
     def _sync_block_table(self, request: Request) -> None:
         """Copy the request's newly allocated block ids into its slot's host table row.
@@ -145,38 +144,42 @@ class ModelRunner:
         n_dec, n_seq = len(sched.decodes), len(chunks)
         prev_rows = {id(c.request): i for i, c in enumerate(prev.plan.sched.chunks)} if prev is not None else {}
         input_ids: list[int] = []
-        from_prev: list[int] = []
         positions: list[int] = []
+        kv_slots: list[int] = []
         prompt_mask: list[bool] = []
-        per_seq: list[int] = []  # (slot, src, dst, end, output_pos) per sequence, converted at once
+        per_seq: list[int] = []  # the SEQ_I64 group, row by row, converted at once
         cu = [0]
-        copies = self.mamba.copies
+        num_from_prev = 0
+        copies, bs = self.mamba.copies, self.kv.block_size
         owners, bt_owner, bt_len = self._slot_owner, self._block_table_owner, self._block_table_len
         for i, c in enumerate(chunks):
             # Runs for every row every step: kept flat on purpose (no helper calls unless
             # the slot changed hands or the request got a new block).
             r = c.request
-            slot = r.seq_slot
+            slot, blocks = r.seq_slot, r.blocks
             if owners[slot] is not r:
                 self._claim_slot(r)
-            if bt_owner[slot] is not r.blocks or bt_len[slot] != len(r.blocks):
+            if bt_owner[slot] is not blocks or bt_len[slot] != len(blocks):
                 self._sync_block_table(r)
             start, end = c.start, c.start + c.num_tokens
             prompt, output = r.prompt_token_ids, r.output_token_ids
             n_prompt = len(prompt)
+            from_prev = -1
             if i < n_dec:  # one generated token (decode rows are never prompt tokens)
                 if end > n_prompt + len(output):  # ...still on the device: the previous step sampled it
-                    from_prev.append(prev_rows[id(r)])
+                    from_prev = prev_rows[id(r)]
+                    num_from_prev += 1
                     input_ids.append(0)
                 else:
-                    from_prev.append(-1)
                     input_ids.append(output[start - n_prompt] if start >= n_prompt else prompt[start])
                 positions.append(start)
+                kv_slots.append(blocks[start // bs] * bs + start % bs)
                 prompt_mask.append(False)
             else:
                 input_ids.extend(prompt[start:min(end, n_prompt)])
                 input_ids.extend(output[max(start - n_prompt, 0): max(end - n_prompt, 0)])
                 positions.extend(range(start, end))
+                kv_slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
                 in_prompt = max(0, min(end, n_prompt) - start)
                 prompt_mask.extend([True] * in_prompt + [False] * (c.num_tokens - in_prompt))
             cu.append(end - start + cu[-1])
@@ -186,35 +189,27 @@ class ModelRunner:
             parity = r.state_parity ^ (r.inflight & 1) if copies == 2 else 0
             base = slot * copies
             dst = base + 1 - parity if copies == 2 else base
-            per_seq += (slot, base + parity, dst, end, len(output) + r.pending_samples - c.samples)
+            # SEQ_I64 order: mamba_src, mamba_dst, input_from_prev, logits_indices, seeds,
+            # output_pos, history_rows, prompt_lens, history_lens.
+            per_seq += (base + parity, dst, from_prev, cu[-1] - 1, r.seed,
+                        len(output) + r.pending_samples - c.samples, slot, n_prompt, end)
             r.inflight += 1
         t = cu[-1]
-        seq = torch.tensor(per_seq, dtype=torch.int64).view(n_seq, 5)
-        slots = seq[:, 0]
-        for col, name in enumerate(("history_rows", "mamba_src", "mamba_dst", "history_lens", "output_pos")):
-            h[name][:n_seq] = seq[:, col]
-        consts = self._slot_consts[slots]
-        h["seeds"][:n_seq] = consts[:, 0]
-        h["prompt_lens"][:n_seq] = consts[:, 1]
-        h["seq_lens"][:n_seq] = seq[:, 3]
-        pos = torch.tensor(positions, dtype=torch.int64)
-        h["input_ids"][:t] = torch.tensor(input_ids, dtype=torch.int64)
-        h["positions"][:t] = pos
+        seq = torch.tensor(per_seq, dtype=torch.int64).view(n_seq, len(SEQ_I64))
+        self.buffer.host_group("seq_i64")[:, :n_seq] = seq.t()
+        self.buffer.host_group("token_i64")[:, :t] = torch.tensor([input_ids, positions, kv_slots], dtype=torch.int64)
         h["prompt_token_mask"][:t] = torch.tensor(prompt_mask, dtype=torch.bool)
-        cu_t = torch.tensor(cu, dtype=torch.int32)
-        token_slots = torch.repeat_interleave(slots, cu_t.diff()) if n_dec < n_seq else slots
-        bs = self.kv.block_size
-        h["slot_mapping"][:t] = self._block_table[token_slots, pos // bs].long() * bs + pos % bs
-        h["cu_seqlens_q"][: n_seq + 1] = cu_t
-        h["prefill_cu_seqlens"][: n_seq - n_dec + 1] = cu_t[n_dec:] - cu[n_dec]
+        lens = torch.tensor(cu + [x - cu[n_dec] for x in cu[n_dec:]], dtype=torch.int32)
+        h["cu_seqlens_q"][: n_seq + 1] = lens[: n_seq + 1]
+        h["prefill_cu_seqlens"][: n_seq - n_dec + 1] = lens[n_seq + 1:]
+        h["seq_lens"][:n_seq] = seq[:, 8]
+        slots = seq[:, 6]
         h["block_tables"][:n_seq] = self._block_table[slots]
-        h["logits_indices"][:n_seq] = cu_t[1:].long() - 1
-        h["input_from_prev"][:n_dec] = torch.tensor(from_prev, dtype=torch.int64)
         new_slots = self.mamba.take_new_slots()
         if new_slots:
             h["new_state_slots"][: len(new_slots)] = torch.tensor(new_slots, dtype=torch.int64)
         plan = self._write_sampling(sched, slots, n_dec, t, max(c.num_tokens for c in chunks))
-        plan.num_from_prev = sum(i >= 0 for i in from_prev)
+        plan.num_from_prev = num_from_prev
         plan.num_new_slots = len(new_slots)
         if self.graphs is not None:
             size = self.graphs.padded_size(n_dec, plan.num_prefill, plan.use_penalties, plan.num_logprobs)
@@ -228,20 +223,19 @@ class ModelRunner:
         h, lo = self.buffer.host, plan.num_seqs
         if size > lo:
             rows = torch.arange(lo, size)
-            for name in ("input_ids", "positions", "seeds", "output_pos", "history_rows", "prompt_lens",
-                         "history_lens"):
-                h[name][lo:size] = 0
+            tokens = self.buffer.host_group("token_i64")
+            tokens[:2, lo:size] = 0  # input_ids, positions
+            tokens[2, lo:size] = -1  # slot_mapping: write no KV
+            seq = self.buffer.host_group("seq_i64")
+            seq[:3, lo:size] = -1  # mamba_src, mamba_dst, input_from_prev: no state, host ids
+            seq[3, lo:size] = rows  # logits_indices
+            seq[4:, lo:size] = 0  # seeds, output_pos, history rows / lens, prompt_lens
+            self.buffer.host_group("sampling_f32")[:, lo:size] = self._neutral_sampling
             h["prompt_token_mask"][lo:size] = False
-            for name in ("slot_mapping", "mamba_src", "mamba_dst", "input_from_prev"):
-                h[name][lo:size] = -1
             h["cu_seqlens_q"][lo + 1:size + 1] = rows.to(torch.int32) + 1
             h["seq_lens"][lo:size] = 0
             h["block_tables"][lo:size] = 0
-            h["logits_indices"][lo:size] = rows
             h["top_k"][lo:size] = 0
-            for name, value in (("temperature", 0.0), ("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0),
-                                ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
-                h[name][lo:size] = value
         h["prefill_cu_seqlens"][0] = 0
         plan.num_decode = plan.num_tokens = size
         plan.max_seqlen_q = 1
@@ -260,10 +254,9 @@ class ModelRunner:
         h = self.buffer.host
         requests = [c.request for c in sched.chunks]
         n = len(requests)
-        sampling = self._slot_sampling[slots]
-        for col, name in enumerate(("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                                    "frequency_penalty", "top_k")):
-            h[name][:n] = sampling[:, col]  # top_k (< 2**24 after clamping) is exact in float32
+        sampling = self._slot_sampling[slots].t()
+        self.buffer.host_group("sampling_f32")[:, :n] = sampling[:6]
+        h["top_k"][:n] = sampling[6]  # top_k (< 2**24 after clamping) is exact in float32
         wanted = [r.params.logprobs for r in requests if r.params.logprobs is not None]
         return StepPlan(
             sched=sched, num_decode=n_dec, num_prefill=n - n_dec, num_tokens=n_tokens, max_seqlen_q=max_q,
