@@ -89,16 +89,8 @@ class Request:
         return self.num_tokens + self.pending_samples
 
     @property
-    def spec_num_outputs(self) -> int:
-        return len(self.output_token_ids) + self.pending_samples
-
-    @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
-
-    def token_at(self, position: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
 
     def make_output(self) -> RequestOutput:
         """Snapshot for the caller; takes (and clears) the pending streaming delta."""
