@@ -32,6 +32,7 @@ each, tokens [0, num_decode)); prefill chunks follow, packed, in tokens
 """
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -115,7 +116,11 @@ class StepBuffer:
         pin = device.type == "cuda"
         self._host_bytes = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         self._host_views = [_views(b, fields) for b in self._host_bytes]
-        self._host_groups = [{g: _group(views, names) for g, names in GROUPS.items()} for views in self._host_views]
+        # NumPy views of the same host bytes: the bookkeeping writes through these, because
+        # a small-array write costs ~0.5 us in NumPy against ~3 us through torch indexing.
+        self._host_np = [{name: v.numpy() for name, v in views.items()} for views in self._host_views]
+        self._host_groups = [{g: _group(views, names).numpy() for g, names in GROUPS.items()}
+                             for views in self._host_views]
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._current = 0
         self._device_bytes = torch.zeros(nbytes, dtype=torch.uint8, device=device)
@@ -127,8 +132,13 @@ class StepBuffer:
         """Views of the host buffer the next step is written into."""
         return self._host_views[self._current]
 
-    def host_group(self, name: str) -> torch.Tensor:
-        """2-D view `[fields, rows]` of a field group (`GROUPS`) in the current host buffer."""
+    @property
+    def host_np(self) -> dict[str, np.ndarray]:
+        """The same views as `host`, as NumPy arrays (what the bookkeeping writes through)."""
+        return self._host_np[self._current]
+
+    def host_group(self, name: str) -> np.ndarray:
+        """2-D NumPy view `[fields, rows]` of a field group (`GROUPS`) in the current host buffer."""
         return self._host_groups[self._current][name]
 
     @property

@@ -75,6 +75,17 @@ class IncrementalDetokenizer:
         return "".join(self._emitted) + self._held
 
     @property
+    def text_pieces(self) -> list[str]:
+        """The emitted text so far, in pieces; the list only ever grows (callers must not
+        modify it), so a length remembers the text at any earlier point."""
+        return self._emitted
+
+    @property
+    def held_text(self) -> str:
+        """Decoded text held back because it may start a stop string (follows `text_pieces`)."""
+        return self._held
+
+    @property
     def stop_reason(self) -> str | None:
         """The stop string that ended the output, or None if none matched."""
         return self._stop_reason

@@ -249,47 +249,56 @@ class LLMEngine:
         return self.runner.launch(plan)
 
     def _retire(self, handle: StepHandle, samples: StepSamples) -> list[RequestOutput]:
-        """Bookkeeping of a finished step: commit its valid rows, append and check samples."""
+        """Bookkeeping of a finished step: commit its valid rows, append and check samples.
+
+        Runs for every row every step, so the common case (a valid decode row) is kept
+        flat: no helper calls unless the row is dropped, has logprobs or stops.
+        """
         outputs = []
         dropped = False
+        flip = self.state_copies == 2
+        finished, valid, tokens = RequestStatus.FINISHED, handle.valid, samples.token_ids
         for i, chunk in enumerate(handle.plan.sched.chunks):
             request = chunk.request
             request.inflight -= 1
-            if not handle.valid[i] or request.finished:
+            if not valid[i] or request.status is finished:
                 # Rejected by reconciliation, or aborted while in flight: the row's writes
                 # are dead; the request's resources were held for it until now.
-                dropped |= handle.valid[i]
+                dropped |= valid[i]
                 self._free_if_idle(request)
                 continue
             request.num_computed = chunk.start + chunk.num_tokens
-            if self.state_copies == 2:
+            if flip:
                 request.state_parity ^= 1  # commit: the copy this row wrote is now current
             if not chunk.samples:
                 continue
             request.pending_samples -= 1
+            token = tokens[i]
+            request.output_token_ids.append(token)
+            request.pending_token_ids.append(token)
             try:
-                self._append_sample(request, samples, i)
+                if request.logprobs is not None:
+                    self._append_logprobs(request, samples.logprobs[i])
+                reason = self._check_stop(request, token)
+                if reason is not None:
+                    self._finish(request, reason)
             except Exception as e:  # one request's failure (e.g. its detokenizer) ends only it
                 logger.exception("request %s failed while appending its token", request.request_id)
                 request.error = f"{type(e).__name__}: {e}"
                 self._finish(request, "error")
-            outputs.append(self._emit(request))
+            if request.status is finished:
+                self.requests.pop(request.request_id, None)
+            outputs.append(request.make_output())
         if dropped:
             self._counters["rejected_launches"] += 1
         return outputs
 
-    def _append_sample(self, request: Request, samples: StepSamples, row: int) -> None:
-        token = samples.token_ids[row]
-        request.output_token_ids.append(token)
-        request.pending_token_ids.append(token)
-        if request.logprobs is not None:
-            entry: dict[int, float] = {}
-            for token_id, logprob in samples.logprobs[row][: 1 + request.params.logprobs]:
-                entry.setdefault(token_id, logprob)  # sampled token first, then the top-n
-            request.logprobs.append(entry)
-        reason = self._check_stop(request, token)
-        if reason is not None:
-            self._finish(request, reason)
+    @staticmethod
+    def _append_logprobs(request: Request, row: list[tuple[int, float]]) -> None:
+        entry: dict[int, float] = {}
+        for token_id, logprob in row[: 1 + request.params.logprobs]:
+            entry.setdefault(token_id, logprob)  # sampled token first, then the top-n
+        request.logprobs.append(entry)
 
     def _reconcile(self, ahead: StepHandle) -> StepHandle | None:
         """After step N's bookkeeping, keep what is still valid of the launched step N+1.
@@ -335,7 +344,8 @@ class LLMEngine:
             return "stop"
         if token in request.eos_token_ids:
             return "stop"
-        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        n_out = len(request.output_token_ids)
+        if n_out >= params.max_tokens or len(request.prompt_token_ids) + n_out >= self.max_model_len:
             return "length"
         return None
 

@@ -15,26 +15,52 @@ class RequestStatus(Enum):
     FINISHED = "finished"
 
 
-@dataclass(slots=True)
 class RequestOutput:
     """One request's state as returned by `LLM.generate` / `LLMEngine.step`.
 
     `new_token_ids` / `new_text` hold what this step added (for streaming); the other
     fields are cumulative. `logprobs[i]` maps token id -> logprob for output token i.
+
+    The cumulative fields cost O(1) per step to produce: a request's token, logprob and
+    text-piece lists only ever grow, so an output keeps a reference plus the length at
+    its step, and builds the list (or string) when it is read.
     """
 
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    text: str | None
-    finished: bool
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    logprobs: list[dict[int, float]] | None = None
-    new_token_ids: list[int] = field(default_factory=list)
-    new_text: str = ""
-    error: str | None = None
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "finished", "finish_reason", "stop_reason",
+                 "new_token_ids", "new_text", "error", "_output_ids", "_num_output", "_logprobs", "_text_parts",
+                 "_num_text_parts", "_text_tail")
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], output_ids: list[int],
+                 logprobs: list[dict[int, float]] | None, text_parts: list[str] | None, text_tail: str,
+                 finished: bool, finish_reason: str | None, stop_reason: str | int | None,
+                 new_token_ids: list[int], new_text: str, error: str | None):
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self.finished, self.finish_reason, self.stop_reason = finished, finish_reason, stop_reason
+        self.new_token_ids, self.new_text, self.error = new_token_ids, new_text, error
+        self._output_ids, self._num_output, self._logprobs = output_ids, len(output_ids), logprobs
+        self._text_parts, self._text_tail = text_parts, text_tail
+        self._num_text_parts = 0 if text_parts is None else len(text_parts)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Every token generated up to this output's step."""
+        return self._output_ids[: self._num_output]
+
+    @property
+    def logprobs(self) -> list[dict[int, float]] | None:
+        """Per output token: token id -> logprob (sampled token first), when requested."""
+        return None if self._logprobs is None else self._logprobs[: self._num_output]
+
+    @property
+    def text(self) -> str | None:
+        """The output text up to this output's step (None without a tokenizer)."""
+        if self._text_parts is None:
+            return None
+        return "".join(self._text_parts[: self._num_text_parts]) + self._text_tail
+
+    def __repr__(self) -> str:
+        return (f"RequestOutput(request_id={self.request_id!r}, output_token_ids={self.output_token_ids!r}, "
+                f"text={self.text!r}, finished={self.finished}, finish_reason={self.finish_reason!r})")
 
 
 @dataclass(eq=False)  # identity semantics: requests live in queues and dicts
@@ -58,6 +84,7 @@ class Request:
     num_scheduled: int = 0
     pending_samples: int = 0
     inflight: int = 0
+    launch_row: int = -1  # the request's row in the newest launched step
     blocks: list[int] = field(default_factory=list)
     seq_slot: int = -1  # request slot in the Mamba pool (also its token-history row)
     state_parity: int = 0  # which of the slot's state copies is committed (ping-pong)
@@ -93,20 +120,11 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def make_output(self) -> RequestOutput:
-        """Snapshot for the caller; takes (and clears) the pending streaming delta."""
-        out = RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            output_token_ids=list(self.output_token_ids),
-            text=None if self.detokenizer is None else self.detokenizer.text,
-            finished=self.finished,
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-            logprobs=None if self.logprobs is None else list(self.logprobs),
-            new_token_ids=self.pending_token_ids,
-            new_text=self.pending_text,
-            error=self.error,
-        )
+        """Snapshot for the caller (O(1)); takes (and clears) the pending streaming delta."""
+        detok = self.detokenizer
+        out = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.output_token_ids, self.logprobs,
+                            None if detok is None else detok.text_pieces, "" if detok is None else detok.held_text,
+                            self.status is RequestStatus.FINISHED, self.finish_reason, self.stop_reason,
+                            self.pending_token_ids, self.pending_text, self.error)
         self.pending_token_ids, self.pending_text = [], ""
         return out

@@ -7,6 +7,7 @@ blocks on that event only. Serial mode calls the three back to back.
 """
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from cache.context import SEQ_I64, StepBuffer
@@ -84,16 +85,18 @@ class ModelRunner:
             layer.kv_cache = (k, v)
         for i, mixer in enumerate(model.mamba_mixers()):
             mixer.conv_state, mixer.ssm_state = mamba.layer_views(i)
-        # Host block table per request slot, grown incrementally (a step gathers its rows).
-        self._block_table = torch.zeros(self.max_seqs, self.max_blocks_per_seq, dtype=torch.int32)
+        # Per request slot, written when a request takes the slot (or gets a new block) and
+        # gathered every step: the KV block table, the sampling row (temperature, top_p,
+        # min_p, repetition / presence / frequency penalty, top_k) and (seed, prompt length).
+        self._block_table = np.zeros((self.max_seqs, self.max_blocks_per_seq), dtype=np.int32)
         self._block_table_len = [0] * self.max_seqs
         self._block_table_owner: list[list[int] | None] = [None] * self.max_seqs
-        # Sampling parameters of the request holding each slot, written once when a
-        # request takes the slot and gathered every step.
         self._slot_owner: list[Request | None] = [None] * self.max_seqs
-        self._slot_sampling = torch.zeros(self.max_seqs, 7, dtype=torch.float32)
+        self._slot_sampling = np.zeros((self.max_seqs, 7), dtype=np.float32)
+        self._slot_seed_prompt = np.zeros((self.max_seqs, 2), dtype=np.int64)
         # Greedy, no filters, no penalties: what graph padding rows sample with.
-        self._neutral_sampling = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 0.0])[:, None]
+        self._neutral_sampling = np.array([0.0, 1.0, 0.0, 1.0, 0.0, 0.0], dtype=np.float32)[:, None]
+        self._rows = np.arange(self.max_seqs + 1, dtype=np.int64)
         # Token history per request slot, written on device from each step's inputs
         # (idempotent: position p always holds the same token), read for penalties.
         self._history = torch.zeros(self.max_seqs, max_model_len, dtype=torch.int64, device=device)
@@ -115,9 +118,11 @@ class ModelRunner:
 
     # ---- host side -------------------------------------------------------------------
     def _claim_slot(self, request: Request) -> None:
-        """Record the sampling row of a request that newly holds its slot."""
-        self._slot_owner[request.seq_slot] = request
-        self._slot_sampling[request.seq_slot] = torch.tensor(request.sampling_row)
+        """Record the per-slot constants of a request that newly holds its slot."""
+        slot = request.seq_slot
+        self._slot_owner[slot] = request
+        self._slot_sampling[slot] = request.sampling_row
+        self._slot_seed_prompt[slot] = (request.seed, len(request.prompt_token_ids))
 
     def _sync_block_table(self, request: Request) -> None:
         """Copy the request's newly allocated block ids into its slot's host table row.
@@ -130,7 +135,7 @@ class ModelRunner:
             self._block_table_owner[slot], self._block_table_len[slot] = request.blocks, 0
         known, blocks = self._block_table_len[slot], request.blocks
         if len(blocks) > known:
-            self._block_table[slot, known:len(blocks)] = torch.tensor(blocks[known:], dtype=torch.int32)
+            self._block_table[slot, known:len(blocks)] = blocks[known:]
             self._block_table_len[slot] = len(blocks)
 
     def prepare(self, sched: SchedulerOutput, prev: StepHandle | None = None) -> StepPlan:
@@ -138,77 +143,58 @@ class ModelRunner:
 
         A decode row whose input token is still in flight (sampled by `prev`, not yet on
         the host) gets `input_from_prev` = its row in `prev`; the device fills it in.
+        Decode rows (one token each) take a flat per-row loop of the few values that
+        change every step, the rest is gathered from the per-slot tables at once;
+        prefill chunks take the general per-token path.
         """
-        h = self.buffer.host
-        chunks = sched.chunks
-        n_dec, n_seq = len(sched.decodes), len(chunks)
-        prev_rows = {id(c.request): i for i, c in enumerate(prev.plan.sched.chunks)} if prev is not None else {}
-        input_ids: list[int] = []
-        positions: list[int] = []
-        kv_slots: list[int] = []
-        prompt_mask: list[bool] = []
-        per_seq: list[int] = []  # the SEQ_I64 group, row by row, converted at once
-        cu = [0]
-        num_from_prev = 0
-        copies, bs = self.mamba.copies, self.kv.block_size
+        decodes, prefills = sched.decodes, sched.prefills
+        n_dec, n_seq = len(decodes), len(decodes) + len(prefills)
+        h = self.buffer.host_np
+        copies = self.mamba.copies
         owners, bt_owner, bt_len = self._slot_owner, self._block_table_owner, self._block_table_len
-        for i, c in enumerate(chunks):
-            # Runs for every row every step: kept flat on purpose (no helper calls unless
-            # the slot changed hands or the request got a new block).
+        slots: list[int] = []
+        starts: list[int] = []  # decode rows: the token's position
+        per_row: list[int] = []  # decode rows: (state parity, input_from_prev, output_pos, input id)
+        num_from_prev = 0
+        for i, c in enumerate(decodes):
+            # Runs for every decode row every step: kept flat on purpose (no helper calls
+            # unless the slot changed hands or the request got a new block).
             r = c.request
             slot, blocks = r.seq_slot, r.blocks
             if owners[slot] is not r:
                 self._claim_slot(r)
             if bt_owner[slot] is not blocks or bt_len[slot] != len(blocks):
                 self._sync_block_table(r)
-            start, end = c.start, c.start + c.num_tokens
-            prompt, output = r.prompt_token_ids, r.output_token_ids
-            n_prompt = len(prompt)
-            from_prev = -1
-            if i < n_dec:  # one generated token (decode rows are never prompt tokens)
-                if end > n_prompt + len(output):  # ...still on the device: the previous step sampled it
-                    from_prev = prev_rows[id(r)]
-                    num_from_prev += 1
-                    input_ids.append(0)
-                else:
-                    input_ids.append(output[start - n_prompt] if start >= n_prompt else prompt[start])
-                positions.append(start)
-                kv_slots.append(blocks[start // bs] * bs + start % bs)
-                prompt_mask.append(False)
+            start, output = c.start, r.output_token_ids
+            n_out = len(output)
+            n_prompt = len(r.prompt_token_ids)
+            # The input token sits at `start`: on the host once its sample retired, else
+            # on the device as the previous step's sample at row `launch_row`.
+            if start >= n_prompt + n_out:
+                per_row += (r.state_parity ^ (r.inflight & 1), r.launch_row, n_out + r.pending_samples - 1, 0)
+                num_from_prev += 1
             else:
-                input_ids.extend(prompt[start:min(end, n_prompt)])
-                input_ids.extend(output[max(start - n_prompt, 0): max(end - n_prompt, 0)])
-                positions.extend(range(start, end))
-                kv_slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-                in_prompt = max(0, min(end, n_prompt) - start)
-                prompt_mask.extend([True] * in_prompt + [False] * (c.num_tokens - in_prompt))
-            cu.append(end - start + cu[-1])
-            # State slots: read == write in place; under ping-pong a row reads the copy
-            # its predecessor wrote -- the committed copy, flipped once per launched row
-            # still in flight (at most one) -- and writes the other.
-            parity = r.state_parity ^ (r.inflight & 1) if copies == 2 else 0
-            base = slot * copies
-            dst = base + 1 - parity if copies == 2 else base
-            # SEQ_I64 order: mamba_src, mamba_dst, input_from_prev, logits_indices, seeds,
-            # output_pos, history_rows, prompt_lens, history_lens.
-            per_seq += (base + parity, dst, from_prev, cu[-1] - 1, r.seed,
-                        len(output) + r.pending_samples - c.samples, slot, n_prompt, end)
+                token = output[start - n_prompt] if start >= n_prompt else r.prompt_token_ids[start]
+                per_row += (r.state_parity ^ (r.inflight & 1), -1, n_out + r.pending_samples - 1, token)
+            slots.append(slot)
+            starts.append(start)
+            r.launch_row = i
             r.inflight += 1
-        t = cu[-1]
-        seq = torch.tensor(per_seq, dtype=torch.int64).view(n_seq, len(SEQ_I64))
-        self.buffer.host_group("seq_i64")[:, :n_seq] = seq.t()
-        self.buffer.host_group("token_i64")[:, :t] = torch.tensor([input_ids, positions, kv_slots], dtype=torch.int64)
-        h["prompt_token_mask"][:t] = torch.tensor(prompt_mask, dtype=torch.bool)
-        lens = torch.tensor(cu + [x - cu[n_dec] for x in cu[n_dec:]], dtype=torch.int32)
-        h["cu_seqlens_q"][: n_seq + 1] = lens[: n_seq + 1]
-        h["prefill_cu_seqlens"][: n_seq - n_dec + 1] = lens[n_seq + 1:]
-        h["seq_lens"][:n_seq] = seq[:, 8]
-        slots = seq[:, 6]
-        h["block_tables"][:n_seq] = self._block_table[slots]
+        if num_from_prev and prev is None:
+            raise RuntimeError("a decode input is still on the device but no previous step was given")
+        if n_dec:
+            self._write_decode_rows(np.array(slots, dtype=np.int64), np.array(starts, dtype=np.int64),
+                                    np.array(per_row, dtype=np.int64).reshape(n_dec, 4).T, copies)
+        num_tokens, max_q = n_dec, 1
+        if prefills:
+            num_tokens, max_q = self._write_prefill_rows(prefills, n_dec, slots)
+        h["cu_seqlens_q"][: n_dec + 1] = self._rows[: n_dec + 1]
+        slots_np = np.array(slots, dtype=np.int64)
+        h["block_tables"][:n_seq] = self._block_table[slots_np]
         new_slots = self.mamba.take_new_slots()
         if new_slots:
-            h["new_state_slots"][: len(new_slots)] = torch.tensor(new_slots, dtype=torch.int64)
-        plan = self._write_sampling(sched, slots, n_dec, t, max(c.num_tokens for c in chunks))
+            h["new_state_slots"][: len(new_slots)] = new_slots
+        plan = self._write_sampling(sched, slots_np, n_dec, num_tokens, max_q)
         plan.num_from_prev = num_from_prev
         plan.num_new_slots = len(new_slots)
         if self.graphs is not None:
@@ -218,21 +204,98 @@ class ModelRunner:
         self.buffer.sync()
         return plan
 
+    def _write_decode_rows(self, slots: np.ndarray, starts: np.ndarray, per_row: np.ndarray, copies: int) -> None:
+        """Fields of decode rows [0, n): per-row values plus gathers from the slot tables."""
+        n, bs = len(slots), self.kv.block_size
+        h = self.buffer.host_np
+        tokens, seqs = self.buffer.host_group("token_i64"), self.buffer.host_group("seq_i64")
+        parity = per_row[0]
+        tokens[0, :n] = per_row[3]
+        tokens[1, :n] = starts
+        tokens[2, :n] = self._block_table[slots, starts // bs] * bs + starts % bs
+        # SEQ_I64 order: mamba_src, mamba_dst, input_from_prev, logits_indices, seeds,
+        # output_pos, history_rows, prompt_lens, history_lens. Under ping-pong a row reads
+        # the copy its predecessor wrote and writes the other.
+        if copies == 2:
+            seqs[0, :n] = 2 * slots + parity
+            seqs[1, :n] = 2 * slots + 1 - parity
+        else:
+            seqs[0, :n] = slots
+            seqs[1, :n] = slots
+        seqs[2, :n] = per_row[1]
+        seqs[3, :n] = self._rows[:n]
+        seed_prompt = self._slot_seed_prompt[slots]
+        seqs[4, :n] = seed_prompt[:, 0]
+        seqs[5, :n] = per_row[2]
+        seqs[6, :n] = slots
+        seqs[7, :n] = seed_prompt[:, 1]
+        seqs[8, :n] = starts + 1
+        h["seq_lens"][:n] = starts + 1
+        h["prompt_token_mask"][:n] = False
+        h["prefill_cu_seqlens"][0] = 0
+
+    def _write_prefill_rows(self, prefills: list, n_dec: int, slots: list[int]) -> tuple[int, int]:
+        """Fields of the prefill chunks (rows after the decode rows); appends their slots.
+        Returns (num_tokens, longest chunk)."""
+        h = self.buffer.host_np
+        tokens, seqs = self.buffer.host_group("token_i64"), self.buffer.host_group("seq_i64")
+        copies, bs = self.mamba.copies, self.kv.block_size
+        owners = self._slot_owner
+        input_ids: list[int] = []
+        positions: list[int] = []
+        kv_slots: list[int] = []
+        prompt_mask: list[bool] = []
+        per_seq: list[int] = []
+        cu = [n_dec]
+        for j, c in enumerate(prefills):
+            r = c.request
+            slot, blocks = r.seq_slot, r.blocks
+            if owners[slot] is not r:
+                self._claim_slot(r)
+            self._sync_block_table(r)
+            start, end = c.start, c.start + c.num_tokens
+            prompt, output = r.prompt_token_ids, r.output_token_ids
+            n_prompt = len(prompt)
+            input_ids.extend(prompt[start:min(end, n_prompt)])
+            input_ids.extend(output[max(start - n_prompt, 0): max(end - n_prompt, 0)])
+            positions.extend(range(start, end))
+            kv_slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            in_prompt = max(0, min(end, n_prompt) - start)
+            prompt_mask.extend([True] * in_prompt + [False] * (c.num_tokens - in_prompt))
+            cu.append(cu[-1] + c.num_tokens)
+            parity = r.state_parity ^ (r.inflight & 1) if copies == 2 else 0
+            base = slot * copies
+            dst = base + 1 - parity if copies == 2 else base
+            # SEQ_I64 order (see _write_decode_rows).
+            per_seq += (base + parity, dst, -1, cu[-1] - 1, r.seed,
+                        len(output) + r.pending_samples - c.samples, slot, n_prompt, end)
+            slots.append(slot)
+            r.launch_row = n_dec + j
+            r.inflight += 1
+        n_seq, t = n_dec + len(prefills), cu[-1]
+        seqs[:, n_dec:n_seq] = np.array(per_seq, dtype=np.int64).reshape(len(prefills), len(SEQ_I64)).T
+        tokens[:, n_dec:t] = np.array([input_ids, positions, kv_slots], dtype=np.int64)
+        h["prompt_token_mask"][n_dec:t] = prompt_mask
+        h["seq_lens"][n_dec:n_seq] = seqs[8, n_dec:n_seq]
+        cu_np = np.array(cu, dtype=np.int32)
+        h["cu_seqlens_q"][n_dec:n_seq + 1] = cu_np
+        h["prefill_cu_seqlens"][: len(prefills) + 1] = cu_np - n_dec
+        return t, max(c.num_tokens for c in prefills)
+
     def _write_padding(self, plan: StepPlan, size: int) -> None:
         """Grow a decode-only step to `size` rows with rows that touch no state (for a graph)."""
-        h, lo = self.buffer.host, plan.num_seqs
+        h, lo = self.buffer.host_np, plan.num_seqs
         if size > lo:
-            rows = torch.arange(lo, size)
             tokens = self.buffer.host_group("token_i64")
             tokens[:2, lo:size] = 0  # input_ids, positions
             tokens[2, lo:size] = -1  # slot_mapping: write no KV
             seq = self.buffer.host_group("seq_i64")
             seq[:3, lo:size] = -1  # mamba_src, mamba_dst, input_from_prev: no state, host ids
-            seq[3, lo:size] = rows  # logits_indices
+            seq[3, lo:size] = self._rows[lo:size]  # logits_indices
             seq[4:, lo:size] = 0  # seeds, output_pos, history rows / lens, prompt_lens
             self.buffer.host_group("sampling_f32")[:, lo:size] = self._neutral_sampling
             h["prompt_token_mask"][lo:size] = False
-            h["cu_seqlens_q"][lo + 1:size + 1] = rows.to(torch.int32) + 1
+            h["cu_seqlens_q"][lo + 1:size + 1] = self._rows[lo + 1:size + 1]
             h["seq_lens"][lo:size] = 0
             h["block_tables"][lo:size] = 0
             h["top_k"][lo:size] = 0
@@ -249,12 +312,12 @@ class ModelRunner:
         self.buffer.sync()
         return plan
 
-    def _write_sampling(self, sched: SchedulerOutput, slots: torch.Tensor, n_dec: int, n_tokens: int,
+    def _write_sampling(self, sched: SchedulerOutput, slots: np.ndarray, n_dec: int, n_tokens: int,
                         max_q: int) -> StepPlan:
-        h = self.buffer.host
+        h = self.buffer.host_np
         requests = [c.request for c in sched.chunks]
         n = len(requests)
-        sampling = self._slot_sampling[slots].t()
+        sampling = self._slot_sampling[slots].T
         self.buffer.host_group("sampling_f32")[:, :n] = sampling[:6]
         h["top_k"][:n] = sampling[6]  # top_k (< 2**24 after clamping) is exact in float32
         wanted = [r.params.logprobs for r in requests if r.params.logprobs is not None]

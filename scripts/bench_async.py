@@ -12,7 +12,7 @@ import json
 
 import torch
 
-from bench_decode import gpu_idle_fraction, peer_model_dir, run_batch
+from bench_decode import peer_model_dir, probe_decode, run_batch
 from hybrid_engine import LLM
 from layers.kernels import ops
 
@@ -72,7 +72,7 @@ def main() -> None:
         for batch in args.batches:
             run_batch(llm, batch, args.prompt_len, 4)
             r = run_batch(llm, batch, args.prompt_len, args.output_len)
-            r["gpu_idle"] = gpu_idle_fraction(llm, batch, list(range(3, 3 + args.prompt_len)))
+            r["gpu_idle"] = probe_decode(llm, batch, list(range(3, 3 + args.prompt_len)))["gpu_idle"]
             if async_scheduling:
                 r["shadow_ms"] = shadow_cost_ms(llm, batch)
             results[(async_scheduling, batch)] = r

@@ -16,7 +16,6 @@ import tempfile
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from hybrid_engine import LLM, SamplingParams
 
@@ -62,34 +61,93 @@ def step_bytes(llm: LLM, batch: int, context: int) -> int:
     return weights + batch * (2 * per_seq_state + context * per_token_kv)
 
 
-def gpu_idle_fraction(llm: LLM, batch: int, prompt: list[int], steps: int = 24) -> float:
-    """Fraction of wall time between the first and last kernel with no kernel running,
-    over decode-only steps (the batch is prefilled before profiling starts)."""
+class StepProbe:
+    """Instruments an engine for a few decode steps without a profiler.
+
+    GPU idle: a timing event is recorded just before each step's host-to-device copy
+    (the first device work of a step) and just after its sample copy (the last). The GPU
+    is idle between one step's end and the next step's start whenever the host had not
+    yet enqueued the next step; idle fraction = 1 - sum(end_i - start_i) / (end_last -
+    start_first). Host phases: wall time the CPU spends in each call of the step loop
+    (`wait` is the time blocked on the device).
+    """
+
+    PHASES = ("schedule", "prepare", "launch", "wait", "retire", "reconcile")
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.starts: list[torch.cuda.Event] = []
+        self.ends: list[torch.cuda.Event] = []
+        self.host = dict.fromkeys(self.PHASES, 0.0)
+        self.steps = 0
+
+    def _timed(self, phase: str, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.host[phase] += time.perf_counter() - t0
+        return wrapper
+
+    def _event(self, into: list):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        into.append(ev)
+
+    def run(self, steps: int) -> dict:
+        """Run `steps` engine steps instrumented; returns idle fraction and host µs per step."""
+        engine = self.engine
+        runner, buffer = engine.runner, engine.runner.buffer
+        sync, launch = buffer.sync, runner.launch
+
+        def probed_sync():
+            self._event(self.starts)
+            sync()
+
+        def probed_launch(plan):
+            handle = launch(plan)
+            self._event(self.ends)
+            handle.wait = self._timed("wait", handle.wait)
+            return handle
+
+        patches = {(buffer, "sync"): probed_sync, (runner, "launch"): self._timed("launch", probed_launch),
+                   (runner, "prepare"): self._timed("prepare", runner.prepare),
+                   (engine.scheduler, "schedule"): self._timed("schedule", engine.scheduler.schedule),
+                   (engine, "_retire"): self._timed("retire", engine._retire),
+                   (engine, "_reconcile"): self._timed("reconcile", engine._reconcile)}
+        for (obj, name), fn in patches.items():
+            setattr(obj, name, fn)
+        if engine._inflight is not None:  # the in-flight step's wait was not wrapped
+            engine._inflight.wait = self._timed("wait", engine._inflight.wait)
+        try:
+            for _ in range(steps):
+                engine.step()
+        finally:
+            for obj, name in patches:
+                delattr(obj, name)
+        torch.cuda.synchronize()
+        # The first recorded end may belong to a step launched before probing began.
+        pairs = list(zip(self.starts, self.ends[len(self.ends) - len(self.starts):]))
+        busy = sum(s.elapsed_time(e) for s, e in pairs)
+        wall = pairs[0][0].elapsed_time(pairs[-1][1])
+        return dict(gpu_idle=1.0 - busy / wall, gpu_busy_ms_per_step=busy / len(pairs),
+                    **{f"host_{k}_us": 1e6 * v / steps for k, v in self.host.items()})
+
+
+def probe_decode(llm: LLM, batch: int, prompt: list[int], steps: int = 48) -> dict:
+    """GPU idle fraction and host time per phase over decode-only steps (the batch is
+    prefilled and a few decode steps run before probing)."""
     engine = llm.engine
-    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + 16, temperature=0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"idle-{i}", prompt, params)
-    while any(r.num_computed < len(r.prompt_token_ids) for r in engine.requests.values()):
+    while any(r.num_computed < len(r.prompt_token_ids) + 4 for r in engine.requests.values()):
         engine.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
+    result = StepProbe(engine).run(steps)
     while engine.has_unfinished_requests():
         engine.step()
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
-    if not spans:
-        return float("nan")
-    busy, cur_start, cur_end = 0, *spans[0]
-    for s, e in spans[1:]:
-        if s > cur_end:
-            busy, cur_start, cur_end = busy + cur_end - cur_start, s, e
-        else:
-            cur_end = max(cur_end, e)
-    busy += cur_end - cur_start
-    return 1.0 - busy / (spans[-1][1] - spans[0][0])
+    return result
 
 
 def peer_model_dir() -> str:
@@ -147,12 +205,14 @@ def main() -> None:
             run_batch(llm, batch, args.prompt_len, 4)  # warm-up: Triton compiles / autotunes per shape
             r = run_batch(llm, batch, args.prompt_len, args.output_len)
             floor_ms = 1e3 * step_bytes(llm, batch, args.prompt_len + args.output_len // 2) / bandwidth
-            idle = gpu_idle_fraction(llm, batch, list(range(3, 3 + args.prompt_len)))
-            rows.append(dict(mode=mode, batch=batch, **r, gpu_idle=idle, roofline_ms=floor_ms,
+            probe = probe_decode(llm, batch, list(range(3, 3 + args.prompt_len)))
+            rows.append(dict(mode=mode, batch=batch, **r, **probe, roofline_ms=floor_ms,
                              vs_roofline=r["itl_p50_ms"] / floor_ms))
+            host = " ".join(f"{k}={probe[f'host_{k}_us']:.0f}" for k in StepProbe.PHASES)
             print(f"{mode:14s} B={batch:4d} {r['tok_s']:9.0f} tok/s  itl mean/p50/p99 {r['itl_mean_ms']:.2f}/"
-                  f"{r['itl_p50_ms']:.2f}/{r['itl_p99_ms']:.2f} ms  idle {idle:.1%}  step/floor "
-                  f"{r['itl_p50_ms'] / floor_ms:.2f}x", flush=True)
+                  f"{r['itl_p50_ms']:.2f}/{r['itl_p99_ms']:.2f} ms  idle {probe['gpu_idle']:.1%}  gpu busy "
+                  f"{probe['gpu_busy_ms_per_step']:.3f} ms/step  step/floor {r['itl_p50_ms'] / floor_ms:.2f}x  "
+                  f"host us/step: {host}", flush=True)
         del llm
         torch.cuda.empty_cache()
     print(f"\nmodel {args.model}, prompt {args.prompt_len}, output {args.output_len}, bf16, "

@@ -9,9 +9,8 @@ Decode at batch 1, 16, 64, 256 with a 4096-token context; prefill one 4096-token
 
 Ops are timed as CUDA-graph replays of several calls (how the engine runs decode; for
 prefill it leaves out the host launch overhead), decode calls rotating over distinct state
-slots / KV blocks / expert ids so the L2 cache does not serve repeated reads. The SSD scan
-cannot be captured (fla-core syncs on the host), so it is timed per call with CUDA events.
-All report the median. Prefill rows also give the summed GPU kernel time (torch.profiler).
+slots / KV blocks / expert ids so the L2 cache does not serve repeated reads. All report
+the median. Prefill rows also give the summed GPU kernel time (torch.profiler).
 Each row gives the bytes the op must move (each input read once, each output written once)
 as GB/s, its flops as TFLOP/s where arithmetic matters, and the fraction of the ceiling
 measured here (device-to-device copy bandwidth, bf16 matmul rate), whichever is higher.
@@ -191,16 +190,18 @@ def bench_conv_prefill() -> Case:
     return [lambda: conv1d.causal_conv1d_varlen(x, w, bias, pool, cu, src, dst)], 2 * x.numel() * 2, 0.0
 
 
-def bench_ssd_prefill() -> Case:
+def bench_ssd_prefill(num_seqs: int) -> Case:
+    """`num_seqs` prompts packed into PREFILL tokens (one long prompt, or a prefill batch)."""
     x = torch.randn(PREFILL, M_HEADS, M_DIM, device=DEV, dtype=BF16)
     dt = torch.rand(PREFILL, M_HEADS, device=DEV) * 0.1
     a, d = -torch.rand(M_HEADS, device=DEV), torch.randn(M_HEADS, device=DEV)
     bc = torch.randn(PREFILL, 2, M_GROUPS, M_STATE, device=DEV, dtype=BF16)
-    pool = torch.randn(2, M_HEADS, M_DIM, M_STATE, device=DEV) * 0.1
-    cu = torch.tensor([0, PREFILL], dtype=torch.int32, device=DEV)
-    src, dst = torch.tensor([0], device=DEV), torch.tensor([1], device=DEV)
+    pool = torch.randn(2 * num_seqs, M_HEADS, M_DIM, M_STATE, device=DEV) * 0.1
+    cu = torch.arange(0, PREFILL + 1, PREFILL // num_seqs, dtype=torch.int32, device=DEV)
+    src = torch.arange(num_seqs, device=DEV)
+    dst = src + num_seqs
     call = lambda: ssd.ssd_chunk_scan_varlen(x, dt, a, bc[:, 0], bc[:, 1], d, cu, pool, src, dst, 128)  # noqa: E731
-    moved = 2 * x.numel() * 2 + bc.numel() * 2 + dt.numel() * 4 + 2 * pool[0].numel() * 4
+    moved = 2 * x.numel() * 2 + bc.numel() * 2 + dt.numel() * 4 + pool.numel() * 4
     # Chunked SSD with 64-token chunks: intra-chunk C.B^T and its product with X, plus the
     # chunk state and its read-out (2 * P * N each), per token and head.
     flops = PREFILL * M_HEADS * (2 * 64 * (M_STATE + M_DIM) + 4 * M_DIM * M_STATE)
@@ -242,7 +243,8 @@ def main() -> None:
         ]
     tag = f"prefill T={PREFILL}"
     cases += [
-        ("ssd_chunk_scan_varlen", tag, bench_ssd_prefill),
+        ("ssd_chunk_scan_varlen", tag, lambda: bench_ssd_prefill(1)),
+        ("ssd_chunk_scan_varlen", tag + " 32 seqs", lambda: bench_ssd_prefill(32)),
         ("causal_conv1d_varlen", tag, bench_conv_prefill),
         ("paged_attention", tag, bench_attention_prefill),
         ("write_kv_cache", tag, lambda: bench_write_kv(PREFILL)),
@@ -255,10 +257,7 @@ def main() -> None:
     for op, case, build in cases:
         try:
             calls, moved, flops = build()
-            if op == "ssd_chunk_scan_varlen":  # fla syncs on the host: no graph, time the whole call
-                seconds, how = time_events(calls[0]), "events"
-            else:
-                seconds, how = time_graph(calls, per_graph=16 if case.startswith("decode") else 4), "graph"
+            seconds, how = time_graph(calls, per_graph=16 if case.startswith("decode") else 4), "graph"
             kernel_s = kernel_seconds(calls[0]) if not case.startswith("decode") else None
         except Exception as exc:  # one broken case must not hide the rest of the table
             print(f"{op} {case}: FAILED {type(exc).__name__}: {exc}")

@@ -11,12 +11,14 @@ if not torch.cuda.is_available():
 
 
 def pytest_collection_modifyitems(config, items):
-    """`@pytest.mark.gpu` tests skip when no CUDA device is present."""
+    """`@pytest.mark.gpu` tests skip when no CUDA device is present, except in modules that
+    set `RUNS_IN_TRITON_INTERPRETER` when TRITON_INTERPRET=1 (Triton kernels on the CPU)."""
     if torch.cuda.is_available():
         return
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
+        if "gpu" in item.keywords and not (interpret and getattr(item.module, "RUNS_IN_TRITON_INTERPRETER", False)):
             item.add_marker(skip)
 
 

@@ -279,7 +279,8 @@ def test_failing_request_ends_alone_with_error(make_llm):
 
     class Exploding:
         stop_reason = None
-        text = ""
+        text_pieces: list[str] = []
+        held_text = ""
 
         def add_tokens(self, ids):
             raise RuntimeError("detokenizer exploded")

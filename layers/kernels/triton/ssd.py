@@ -1,59 +1,94 @@
-"""Mamba-2 chunked SSD scan over packed prefill chunks, through fla-core's `chunk_simple_gla`.
+"""Mamba-2 chunked SSD scan over packed prefill chunks: one fused Triton kernel.
 
-Mamba-2's SSD is simple gated linear attention with one scalar decay per head and token:
-    state_t = exp(g_t) * state_{t-1} + k_t (outer) v_t,   o_t = q_t . state_t
-with q = C, k = dt * B, v = x, g = dt * A (scale 1), plus the D * x skip added here.
-fla keeps one initial state per packed sequence (cu_seqlens) and, with
-`state_v_first=True`, uses mamba's [H, P, N] state layout, so slots map 1:1.
-Importing this module fails without fla-core; `fast.available_ops` then keeps the reference.
+One program per (sequence, head, block of head channels) walks its sequence chunk by
+chunk, keeping the running SSM state in registers. Per chunk of L tokens (cum = the
+running sum of dt*A inside the chunk):
+
+    y     = (C @ state^T) * exp(cum)                               state entering the chunk
+          + ((C @ B^T) * exp(cum_t - cum_s) * dt_s, s <= t) @ x   inside the chunk
+          + D * x
+    state = state * exp(cum_L) + x^T @ (B * exp(cum_L - cum) * dt)
+
+Sequence bounds are read from `cu_seqlens` on the device, so nothing here synchronizes
+with the host (fla-core's and mamba-ssm's varlen scans build chunk indices on the host)
+and a prefill step stays asynchronous. Parallelism is sequences x heads x channel blocks,
+with the chunks of one sequence sequential: short prompts in a batch fill the GPU, a
+single very long prompt uses H x (P / block) programs.
 """
 import torch
 import triton
 import triton.language as tl
-from fla.ops.simple_gla import chunk_simple_gla
 
-from layers.kernels.triton.slots import scatter_slots, token_to_seq
+CHUNK = 64  # tokens per step of the sequential walk (the SSD's block size)
+BLOCK_P = 32  # head channels per program: the state tile is BLOCK_P x state_size float32
 
 
 @triton.jit
-def _expand_qk_kernel(
-    b_ptr, c_ptr, dt_ptr, q_ptr, k_ptr, state_size, heads_per_group,
-    stride_bt, stride_bg, stride_ct, stride_cg, stride_dtt,
-    BR: tl.constexpr, BN: tl.constexpr,
+def _ssd_varlen_kernel(
+    x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, cu_ptr, states_ptr, src_ptr, dst_ptr, y_ptr,
+    num_seqs, num_tokens, head_dim, state_size, heads_per_group,
+    stride_xt, stride_xh, stride_dtt, stride_bt, stride_bg, stride_ct, stride_cg,
+    stride_ss, stride_sh, stride_sp, stride_yt, stride_yh,
+    CHUNK: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # Per (token, group): q[t, h] = C[t, g], k[t, h] = dt[t, h] * B[t, g] for the group's heads.
-    t = tl.program_id(0)
-    g = tl.program_id(1)
-    r = tl.arange(0, BR)
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    group = head // heads_per_group
+    # Program `num_seqs` covers the tokens past the last sequence (written as zeros).
+    is_seq = seq < num_seqs
+    last = tl.minimum(seq, num_seqs - 1)
+    start = tl.load(cu_ptr + seq).to(tl.int64)
+    end = tl.where(is_seq, tl.load(cu_ptr + last + 1).to(tl.int64), num_tokens)
+    src = tl.where(is_seq, tl.load(src_ptr + last).to(tl.int64), -1)
+    dst = tl.where(is_seq, tl.load(dst_ptr + last).to(tl.int64), -1)
+    valid = src >= 0  # padding sequences (slot -1) read and write no state, output zeros
+
+    p = tl.program_id(2) * BP + tl.arange(0, BP)
     n = tl.arange(0, BN)
-    r_in = r < heads_per_group
+    l = tl.arange(0, CHUNK)
+    p_in = p < head_dim
     n_in = n < state_size
-    b = tl.load(b_ptr + t * stride_bt + g * stride_bg + n, mask=n_in, other=0.0).to(tl.float32)
-    c = tl.load(c_ptr + t * stride_ct + g * stride_cg + n, mask=n_in, other=0.0)
-    heads = g * heads_per_group + r
-    dt = tl.load(dt_ptr + t * stride_dtt + heads, mask=r_in, other=0.0).to(tl.float32)
-    num_heads = tl.num_programs(1) * heads_per_group
-    out = (t.to(tl.int64) * num_heads + heads)[:, None] * state_size + n[None, :]
-    mask = r_in[:, None] & n_in[None, :]
-    tl.store(q_ptr + out, tl.broadcast_to(c[None, :], (BR, BN)).to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(k_ptr + out, (dt[:, None] * b[None, :]).to(k_ptr.dtype.element_ty), mask=mask)
+    state_offs = head * stride_sh + p[:, None] * stride_sp + n[None, :]
+    state_mask = p_in[:, None] & n_in[None, :]
+    state = tl.load(states_ptr + src * stride_ss + state_offs, mask=valid & state_mask, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + head).to(tl.float32)
+    d_skip = tl.load(d_ptr + head).to(tl.float32)
+    causal = l[:, None] >= l[None, :]
+    dot_type = x_ptr.dtype.element_ty  # bf16/fp16 run on tensor cores as is; fp32 in IEEE
 
+    chunk_start = start
+    while chunk_start < end:  # (a while loop: Triton's interpreter cannot range() over loaded bounds)
+        t = chunk_start + l
+        t_in = t < end
+        dt = tl.load(dt_ptr + t * stride_dtt + head, mask=t_in, other=0.0).to(tl.float32)
+        da = dt * a  # tokens past the end have dt 0: no decay, no input
+        cum = tl.cumsum(da, axis=0)
+        total = tl.sum(da, axis=0)
+        x = tl.load(x_ptr + t[:, None] * stride_xt + head * stride_xh + p[None, :],
+                    mask=t_in[:, None] & p_in[None, :], other=0.0)
+        b = tl.load(b_ptr + t[:, None] * stride_bt + group * stride_bg + n[None, :],
+                    mask=t_in[:, None] & n_in[None, :], other=0.0)
+        c = tl.load(c_ptr + t[:, None] * stride_ct + group * stride_cg + n[None, :],
+                    mask=t_in[:, None] & n_in[None, :], other=0.0)
 
-@triton.jit
-def _skip_kernel(o_ptr, x_ptr, d_ptr, y_ptr, tok_seq_ptr, src_ptr, num_seqs, head_dim, width, BLOCK: tl.constexpr):
-    # y = o + D * x in one pass over contiguous [T, H*P] rows; rows of padding sequences
-    # (src -1) and tokens past the last sequence become zeros.
-    t = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < width
-    seq = tl.load(tok_seq_ptr + t)
-    src = tl.load(src_ptr + seq, mask=seq < num_seqs, other=-1)
-    row = t.to(tl.int64) * width + cols
-    o = tl.load(o_ptr + row, mask=mask, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + row, mask=mask, other=0.0).to(tl.float32)
-    d = tl.load(d_ptr + cols // head_dim, mask=mask, other=0.0).to(tl.float32)
-    y = tl.where(src >= 0, o + d * x, 0.0)
-    tl.store(y_ptr + row, y.to(y_ptr.dtype.element_ty), mask=mask)
+        y = tl.dot(c, tl.trans(state.to(dot_type)), input_precision=PRECISION) * tl.exp(cum)[:, None]
+        scores = tl.dot(c, tl.trans(b), input_precision=PRECISION)
+        # exp of -inf above the diagonal: a masked entry never overflows before masking.
+        decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], float("-inf")))
+        scores = scores * decay * dt[None, :]
+        y += tl.dot(scores.to(dot_type), x, input_precision=PRECISION)
+        y += d_skip * x.to(tl.float32)
+        y = tl.where(valid, y, 0.0)
+        tl.store(y_ptr + t[:, None] * stride_yt + head * stride_yh + p[None, :], y.to(y_ptr.dtype.element_ty),
+                 mask=t_in[:, None] & p_in[None, :])
+
+        weight = tl.exp(total - cum) * dt
+        b_weighted = (b.to(tl.float32) * weight[:, None]).to(dot_type)
+        state = state * tl.exp(total) + tl.dot(tl.trans(x), b_weighted, input_precision=PRECISION)
+        chunk_start += CHUNK
+
+    tl.store(states_ptr + dst * stride_ss + state_offs, state.to(states_ptr.dtype.element_ty),
+             mask=valid & (dst >= 0) & state_mask)
 
 
 def ssd_chunk_scan_varlen(
@@ -72,39 +107,33 @@ def ssd_chunk_scan_varlen(
     """Chunked SSD over packed variable-length sequences (prefill chunks).
 
     x: [T, H, P]; dt: [T, H] float32 (processed); A, D: [H]; B, C: [T, G, N]; cu_seqlens:
-    [S+1]; ssm_states: [slots, H, P, N] float32, read at src_slots[s], written at
-    dst_slots[s] after all reads. Returns y: [T, H, P] in x's dtype (D skip included);
-    rows of padding sequences (src -1) and tokens past cu_seqlens[-1] are zeros.
-    `chunk_size` only changes how the exact scan is blocked; fla blocks by 64 itself.
-    fla runs float32 inputs through TF32 matmuls (relative error ~1e-3, not 1e-4).
+    [S+1]; ssm_states: [slots, H, P, N] float32, read at src_slots[s] and written at
+    dst_slots[s]. Returns y: [T, H, P] in x's dtype (D skip included); rows of padding
+    sequences (src -1) and tokens past cu_seqlens[-1] are zeros.
+
+    A sequence's dst slot must not be another sequence's src slot (each request owns its
+    slots): a program writes its final state without waiting for the other programs.
+    `chunk_size` only changes how the exact scan is blocked; this kernel blocks by CHUNK.
     """
-    del chunk_size  # same function for any chunking; fla picks its own block size
+    del chunk_size  # the result does not depend on the blocking
     num_tokens, heads, head_dim = x.shape
     groups, state_size = B.shape[1], B.shape[2]
     num_seqs = src_slots.shape[0]
-    if num_tokens == 0 or num_seqs == 0:
-        return torch.zeros_like(x)
-    x = x.contiguous()  # fla would copy it anyway; the D-skip kernel reads it as [T, H*P]
-    if B.stride(-1) != 1 or C.stride(-1) != 1:
-        B, C = B.contiguous(), C.contiguous()
-    dt = dt if dt.stride(-1) == 1 else dt.contiguous()
-    q = torch.empty((1, num_tokens, heads, state_size), dtype=x.dtype, device=x.device)
-    k = torch.empty_like(q)
-    rep = heads // groups
-    _expand_qk_kernel[(num_tokens, groups)](
-        B, C, dt, q, k, state_size, rep, B.stride(0), B.stride(1), C.stride(0), C.stride(1), dt.stride(0),
-        BR=triton.next_power_of_2(rep), BN=triton.next_power_of_2(state_size), num_warps=4,
-    )
-    g = (dt.float() * A.float()).unsqueeze(0)
-    initial = ssm_states.index_select(0, src_slots.clamp(min=0))  # padding rows start from slot 0, never written
-    o, final = chunk_simple_gla(
-        q, k, x.unsqueeze(0), g, scale=1.0, initial_state=initial, output_final_state=True,
-        state_v_first=True, cu_seqlens=cu_seqlens.long(),
-    )
-    scatter_slots(ssm_states, final, src_slots, dst_slots)
     y = torch.empty_like(x)
-    width, block = heads * head_dim, 1024
-    _skip_kernel[(num_tokens, triton.cdiv(width, block))](
-        o, x, D, y, token_to_seq(cu_seqlens, num_tokens), src_slots, num_seqs, head_dim, width, BLOCK=block, num_warps=4,
+    if num_tokens == 0:
+        return y
+    if x.stride(-1) != 1 or B.stride(-1) != 1 or C.stride(-1) != 1:
+        x, B, C = x.contiguous(), B.contiguous(), C.contiguous()
+    if ssm_states.stride(-1) != 1:
+        raise ValueError("ssm_states must be contiguous in its last dimension")
+    block_p = min(BLOCK_P, triton.next_power_of_2(head_dim))
+    grid = (num_seqs + 1, heads, triton.cdiv(head_dim, block_p))
+    _ssd_varlen_kernel[grid](
+        x, dt, A, B, C, D, cu_seqlens, ssm_states, src_slots, dst_slots, y,
+        num_seqs, num_tokens, head_dim, state_size, heads // groups,
+        x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
+        ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), y.stride(0), y.stride(1),
+        CHUNK=CHUNK, BP=block_p, BN=max(16, triton.next_power_of_2(state_size)),
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=8,
     )
     return y
