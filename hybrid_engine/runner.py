@@ -96,7 +96,8 @@ class ModelRunner:
         self._slot_seed_prompt = np.zeros((self.max_seqs, 2), dtype=np.int64)
         # Greedy, no filters, no penalties: what graph padding rows sample with.
         self._neutral_sampling = np.array([0.0, 1.0, 0.0, 1.0, 0.0, 0.0], dtype=np.float32)[:, None]
-        self._rows = np.arange(self.max_seqs + 1, dtype=np.int64)
+        # 0, 1, 2, ...: row indices and positions, sliced instead of built per step.
+        self._rows = np.arange(max(self.max_seqs + 1, max_model_len), dtype=np.int64)
         # Token history per request slot, written on device from each step's inputs
         # (idempotent: position p always holds the same token), read for penalties.
         self._history = torch.zeros(self.max_seqs, max_model_len, dtype=torch.int64, device=device)
@@ -236,51 +237,49 @@ class ModelRunner:
 
     def _write_prefill_rows(self, prefills: list, n_dec: int, slots: list[int]) -> tuple[int, int]:
         """Fields of the prefill chunks (rows after the decode rows); appends their slots.
-        Returns (num_tokens, longest chunk)."""
+        Per-token fields are written chunk by chunk with NumPy slices. Returns
+        (num_tokens, longest chunk)."""
         h = self.buffer.host_np
         tokens, seqs = self.buffer.host_group("token_i64"), self.buffer.host_group("seq_i64")
+        prompt_mask = h["prompt_token_mask"]
         copies, bs = self.mamba.copies, self.kv.block_size
-        owners = self._slot_owner
-        input_ids: list[int] = []
-        positions: list[int] = []
-        kv_slots: list[int] = []
-        prompt_mask: list[bool] = []
         per_seq: list[int] = []
         cu = [n_dec]
         for j, c in enumerate(prefills):
             r = c.request
-            slot, blocks = r.seq_slot, r.blocks
-            if owners[slot] is not r:
+            slot = r.seq_slot
+            if self._slot_owner[slot] is not r:
                 self._claim_slot(r)
             self._sync_block_table(r)
             start, end = c.start, c.start + c.num_tokens
+            t0, t1 = cu[-1], cu[-1] + c.num_tokens
             prompt, output = r.prompt_token_ids, r.output_token_ids
             n_prompt = len(prompt)
-            input_ids.extend(prompt[start:min(end, n_prompt)])
-            input_ids.extend(output[max(start - n_prompt, 0): max(end - n_prompt, 0)])
-            positions.extend(range(start, end))
-            kv_slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             in_prompt = max(0, min(end, n_prompt) - start)
-            prompt_mask.extend([True] * in_prompt + [False] * (c.num_tokens - in_prompt))
-            cu.append(cu[-1] + c.num_tokens)
+            tokens[0, t0:t0 + in_prompt] = prompt[start:start + in_prompt]
+            tokens[0, t0 + in_prompt:t1] = output[max(start - n_prompt, 0): max(end - n_prompt, 0)]
+            positions = self._rows[start:end] if end <= len(self._rows) else np.arange(start, end)
+            tokens[1, t0:t1] = positions
+            tokens[2, t0:t1] = self._block_table[slot, positions // bs] * bs + positions % bs
+            prompt_mask[t0:t0 + in_prompt] = True
+            prompt_mask[t0 + in_prompt:t1] = False
+            cu.append(t1)
             parity = r.state_parity ^ (r.inflight & 1) if copies == 2 else 0
             base = slot * copies
             dst = base + 1 - parity if copies == 2 else base
             # SEQ_I64 order (see _write_decode_rows).
-            per_seq += (base + parity, dst, -1, cu[-1] - 1, r.seed,
+            per_seq += (base + parity, dst, -1, t1 - 1, r.seed,
                         len(output) + r.pending_samples - c.samples, slot, n_prompt, end)
             slots.append(slot)
             r.launch_row = n_dec + j
             r.inflight += 1
-        n_seq, t = n_dec + len(prefills), cu[-1]
+        n_seq = n_dec + len(prefills)
         seqs[:, n_dec:n_seq] = np.array(per_seq, dtype=np.int64).reshape(len(prefills), len(SEQ_I64)).T
-        tokens[:, n_dec:t] = np.array([input_ids, positions, kv_slots], dtype=np.int64)
-        h["prompt_token_mask"][n_dec:t] = prompt_mask
         h["seq_lens"][n_dec:n_seq] = seqs[8, n_dec:n_seq]
         cu_np = np.array(cu, dtype=np.int32)
         h["cu_seqlens_q"][n_dec:n_seq + 1] = cu_np
         h["prefill_cu_seqlens"][: len(prefills) + 1] = cu_np - n_dec
-        return t, max(c.num_tokens for c in prefills)
+        return cu[-1], max(c.num_tokens for c in prefills)
 
     def _write_padding(self, plan: StepPlan, size: int) -> None:
         """Grow a decode-only step to `size` rows with rows that touch no state (for a graph)."""

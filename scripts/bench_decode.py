@@ -11,6 +11,7 @@ random (load_format="dummy"), bf16. Prints one table; `--json` also writes the r
 """
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -18,6 +19,8 @@ import time
 import torch
 
 from hybrid_engine import LLM, SamplingParams
+from hybrid_engine.models.loader import read_config
+from hybrid_engine.models.presets import get_preset
 
 PEER_CONFIG = {
     "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "vocab_size": 32768,
@@ -171,6 +174,7 @@ def run_batch(llm: LLM, batch: int, prompt_len: int, output_len: int) -> dict:
     torch.cuda.synchronize()
     start = time.perf_counter()
     tokens = 0
+    first_token_time = start
     while engine.has_unfinished_requests():
         outs = engine.step()
         now = time.perf_counter()
@@ -179,11 +183,39 @@ def run_batch(llm: LLM, batch: int, prompt_len: int, output_len: int) -> dict:
             tokens += n
             if o.request_id in last_token_time and n:
                 gaps.append((now - last_token_time[o.request_id]) / n)
+            elif n:
+                first_token_time = now
             last_token_time[o.request_id] = now
     wall = time.perf_counter() - start
     gaps.sort()
+    # all_first_token_s: until the last request got its first token (every prompt prefilled).
     return dict(tok_s=tokens / wall, itl_mean_ms=1e3 * statistics.fmean(gaps), itl_p50_ms=1e3 * gaps[len(gaps) // 2],
-                itl_p99_ms=1e3 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))], wall_s=wall)
+                itl_p99_ms=1e3 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))], wall_s=wall,
+                all_first_token_s=first_token_time - start)
+
+
+def run_hf_generate(hf_config: dict, batch: int, prompt_len: int, output_len: int) -> dict:
+    """Baseline: HF transformers' `generate` (greedy, random bf16 weights built on the GPU)."""
+    import transformers
+
+    arch = hf_config["architectures"][0]
+    config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**hf_config)
+    with torch.device("cuda"):
+        model = getattr(transformers, arch)(config).to(torch.bfloat16).eval()
+    gen = torch.Generator().manual_seed(batch)
+    ids = torch.randint(3, config.vocab_size, (batch, prompt_len), generator=gen).cuda()
+    kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids, **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})  # warm-up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = model.generate(ids, **kwargs)
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    tokens = (out.shape[1] - prompt_len) * batch
+    del model
+    torch.cuda.empty_cache()
+    return dict(tok_s=tokens / wall, wall_s=wall, itl_mean_ms=1e3 * wall / output_len)
 
 
 def main() -> None:
@@ -193,6 +225,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--hf-batch", type=int, default=0,
+                    help="also time HF transformers generate at this batch (0: skip)")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args()
     model = peer_model_dir() if args.model == "peer" else args.model
@@ -211,15 +245,23 @@ def main() -> None:
             host = " ".join(f"{k}={probe[f'host_{k}_us']:.0f}" for k in StepProbe.PHASES)
             print(f"{mode:14s} B={batch:4d} {r['tok_s']:9.0f} tok/s  itl mean/p50/p99 {r['itl_mean_ms']:.2f}/"
                   f"{r['itl_p50_ms']:.2f}/{r['itl_p99_ms']:.2f} ms  idle {probe['gpu_idle']:.1%}  gpu busy "
-                  f"{probe['gpu_busy_ms_per_step']:.3f} ms/step  step/floor {r['itl_p50_ms'] / floor_ms:.2f}x  "
+                  f"{probe['gpu_busy_ms_per_step']:.3f} ms/step  prefill {r['all_first_token_s']:.3f} s  step/floor {r['itl_p50_ms'] / floor_ms:.2f}x  "
                   f"host us/step: {host}", flush=True)
         del llm
         torch.cuda.empty_cache()
+    if args.hf_batch:
+        hf_config = read_config(model) if os.path.isdir(model) else get_preset(model.removeprefix("preset:"))
+        r = run_hf_generate(hf_config, args.hf_batch, args.prompt_len, args.output_len)
+        rows.append(dict(mode="HF transformers generate", batch=args.hf_batch, **r))
+        print(f"HF generate    B={args.hf_batch:4d} {r['tok_s']:9.0f} tok/s  mean step {r['itl_mean_ms']:.2f} ms", flush=True)
     print(f"\nmodel {args.model}, prompt {args.prompt_len}, output {args.output_len}, bf16, "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     print("| mode | batch | output tok/s | ITL mean / p50 / p99 (ms) | GPU idle | decode step / roofline floor |")
     print("|---|---|---|---|---|---|")
     for r in rows:
+        if "gpu_idle" not in r:  # the HF baseline: throughput and mean step only
+            print(f"| {r['mode']} | {r['batch']} | {r['tok_s']:.0f} | {r['itl_mean_ms']:.2f} (wall / output len) | | |")
+            continue
         print(f"| {r['mode']} | {r['batch']} | {r['tok_s']:.0f} | {r['itl_mean_ms']:.2f} / {r['itl_p50_ms']:.2f} / "
               f"{r['itl_p99_ms']:.2f} | {r['gpu_idle']:.1%} | {r['vs_roofline']:.2f}x |")
     if args.json:

@@ -158,7 +158,7 @@ def _attn_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, start, kv_
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_offset"])  # per-step sizes: no recompiles
 def _attn_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, cu_q_ptr,
     seq_offset, scale_log2, rep, head_dim, block_size,

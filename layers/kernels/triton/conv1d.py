@@ -24,7 +24,7 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_seqs"])  # per-step sizes: no recompiles
 def _conv_varlen_kernel(
     x_ptr, w_ptr, bias_ptr, states_ptr, y_ptr, cu_ptr, tok_seq_ptr, src_ptr,
     num_tokens, dim, num_seqs,
