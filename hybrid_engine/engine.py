@@ -86,6 +86,7 @@ class LLMEngine:
             self._capture_graphs(max_num_seqs)
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
+        self._just_finished: list[Request] = []  # finished during the current step's bookkeeping
         self._seed_counter = 0
         self._inflight: StepHandle | None = None
         self._rejector = random.Random(cfg.seed)  # inject_rejection_rate draws, deterministic
@@ -237,6 +238,7 @@ class LLMEngine:
             if not spec.is_empty:
                 ahead = self._launch(spec, prev=current)
                 self._counters["launch_ahead_steps"] += 1
+        self._just_finished.clear()
         outputs.extend(self._retire(current, current.wait()))
         self._inflight = self._reconcile(ahead) if ahead is not None else None
         return outputs
@@ -317,13 +319,20 @@ class LLMEngine:
         rate = self.config.inject_rejection_rate
         reject_all = rate > 0 and self._rejector.random() < rate
         rejected = False
-        for i, chunk in enumerate(ahead.plan.sched.chunks):
-            if chunk.request.finished:
+        chunks = ahead.plan.sched.chunks
+        if reject_all:
+            for i, chunk in enumerate(chunks):
                 ahead.valid[i], rejected = False, True
-            elif reject_all:
-                ahead.valid[i], rejected = False, True
-                self.scheduler.unschedule(chunk)
-                self._counters["state_restores"] += 1
+                if not chunk.request.finished:
+                    self.scheduler.unschedule(chunk)
+                    self._counters["state_restores"] += 1
+        else:
+            # Only requests that finished during this bookkeeping can have a row to drop
+            # (aborts and earlier finishes were never scheduled into `ahead`).
+            for request in self._just_finished:
+                row = request.launch_row
+                if row < len(chunks) and chunks[row].request is request:
+                    ahead.valid[row], rejected = False, True
         if rejected:
             self._counters["rejected_launches"] += 1
         if not any(ahead.valid):
@@ -353,6 +362,7 @@ class LLMEngine:
         if reason != "error" and request.detokenizer is not None and request.detokenizer.stop_reason is None:
             request.pending_text += request.detokenizer.flush()
         request.finish_reason = reason
+        self._just_finished.append(request)
         self.scheduler.remove(request)
         request.status = RequestStatus.FINISHED
         self._free_if_idle(request)

@@ -102,8 +102,8 @@ class Request:
         # The per-step sampling fields, computed once (the runner copies them every step).
         # top_k >= vocab means "off"; the clamp keeps it exact in float32 and int32.
         self.sampling_row = (p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
-                             p.frequency_penalty, float(min(p.top_k, 1 << 24)))
-        self.greedy, self.uses_penalties = p.greedy, p.uses_penalties
+                             p.frequency_penalty, float(min(p.top_k, 1 << 24)),
+                             float(-1 if p.logprobs is None else p.logprobs))
 
     @property
     def num_tokens(self) -> int:

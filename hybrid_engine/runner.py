@@ -87,12 +87,13 @@ class ModelRunner:
             mixer.conv_state, mixer.ssm_state = mamba.layer_views(i)
         # Per request slot, written when a request takes the slot (or gets a new block) and
         # gathered every step: the KV block table, the sampling row (temperature, top_p,
-        # min_p, repetition / presence / frequency penalty, top_k) and (seed, prompt length).
+        # min_p, repetition / presence / frequency penalty, top_k, logprobs or -1) and
+        # (seed, prompt length).
         self._block_table = np.zeros((self.max_seqs, self.max_blocks_per_seq), dtype=np.int32)
         self._block_table_len = [0] * self.max_seqs
         self._block_table_owner: list[list[int] | None] = [None] * self.max_seqs
         self._slot_owner: list[Request | None] = [None] * self.max_seqs
-        self._slot_sampling = np.zeros((self.max_seqs, 7), dtype=np.float32)
+        self._slot_sampling = np.zeros((self.max_seqs, 8), dtype=np.float32)
         self._slot_seed_prompt = np.zeros((self.max_seqs, 2), dtype=np.int64)
         # Greedy, no filters, no penalties: what graph padding rows sample with.
         self._neutral_sampling = np.array([0.0, 1.0, 0.0, 1.0, 0.0, 0.0], dtype=np.float32)[:, None]
@@ -313,18 +314,16 @@ class ModelRunner:
 
     def _write_sampling(self, sched: SchedulerOutput, slots: np.ndarray, n_dec: int, n_tokens: int,
                         max_q: int) -> StepPlan:
-        h = self.buffer.host_np
-        requests = [c.request for c in sched.chunks]
-        n = len(requests)
-        sampling = self._slot_sampling[slots].T
+        """Sampling fields gathered from the slot table; the step's sampler flags from them."""
+        n = len(slots)
+        sampling = self._slot_sampling[slots].T  # temperature, top_p, min_p, penalties x3, top_k, logprobs
         self.buffer.host_group("sampling_f32")[:, :n] = sampling[:6]
-        h["top_k"][:n] = sampling[6]  # top_k (< 2**24 after clamping) is exact in float32
-        wanted = [r.params.logprobs for r in requests if r.params.logprobs is not None]
+        self.buffer.host_np["top_k"][:n] = sampling[6]  # top_k (< 2**24 after clamping) is exact in float32
+        penalties = (sampling[3] != 1.0) | (sampling[4] != 0.0) | (sampling[5] != 0.0)
         return StepPlan(
             sched=sched, num_decode=n_dec, num_prefill=n - n_dec, num_tokens=n_tokens, max_seqlen_q=max_q,
-            num_logprobs=max(wanted) if wanted else -1,
-            all_greedy=all(r.greedy for r in requests),
-            use_penalties=any(r.uses_penalties for r in requests), num_from_prev=0,
+            num_logprobs=int(sampling[7].max()), all_greedy=not sampling[0].any(),
+            use_penalties=bool(penalties.any()), num_from_prev=0,
         )
 
     # ---- device side -----------------------------------------------------------------

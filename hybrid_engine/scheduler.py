@@ -107,7 +107,7 @@ class Scheduler:
             if not out.is_empty or not self.running or not allow_evict:
                 break
             self._evict(next(r for r in reversed(self.running) if r.inflight == 0))
-        for chunk in out.chunks:
+        for chunk in out.prefills:  # (decode rows advanced their cursors in _try_schedule)
             request = chunk.request
             request.num_scheduled += chunk.num_tokens
             request.pending_samples += chunk.samples
@@ -143,6 +143,8 @@ class Scheduler:
                     continue
                 request.status = running
                 decodes.append(ScheduledChunk(request, scheduled, 1, True))
+                request.num_scheduled = scheduled + 1
+                request.pending_samples += 1
                 budget -= 1
             else:
                 chunk = self._prefill_chunk(request, budget)
