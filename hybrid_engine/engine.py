@@ -13,6 +13,7 @@ state uses ping-pong copies (`MambaSlotAllocator(copies=2)`): a row reads the co
 copy and writes the other, retiring a row flips the request's parity, rejecting it leaves
 the committed copy untouched -- an exact restore with no copy traffic.
 """
+import gc
 import logging
 import os
 import random
@@ -122,6 +123,10 @@ class LLMEngine:
         tokens_needed = max_num_seqs * self.max_model_len
         if self.device.type != "cuda":
             return max_num_seqs, cfg.num_kv_blocks or -(-tokens_needed // cfg.kv_block_size)
+        # Memory of unreachable objects (e.g. an earlier engine in this process) and blocks
+        # the caching allocator holds but no tensor uses count as free.
+        gc.collect()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         budget = free - (1.0 - cfg.gpu_memory_utilization) * total
         seq_bytes = MambaSlotAllocator.bytes_per_seq(len(mc.mamba_layers), mc.mamba_conv_dim, mc.conv_kernel - 1,

@@ -47,6 +47,8 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(num_heads))
         self.A_log = nn.Parameter(torch.zeros(num_heads))
         self.D = nn.Parameter(torch.ones(num_heads))
+        self._a_cache: torch.Tensor | None = None
+        self._a_key: tuple[int, int] | None = None
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(self.d_ssm))
         self.out_proj = nn.Linear(self.d_ssm, hidden_size, bias=proj_bias)
@@ -60,27 +62,35 @@ class Mamba2Mixer(nn.Module):
             dt = torch.where(prompt_mask[:, None], dt.clamp(lo, hi), dt)
         return dt
 
+    def _a(self) -> torch.Tensor:
+        """A = -exp(A_log) in float32, recomputed only when A_log changes (it is fixed after
+        loading), so a decode step (or its CUDA graph) carries no kernels for it."""
+        key = (self.A_log.data_ptr(), self.A_log._version)
+        if self._a_key != key:
+            self._a_cache, self._a_key = -torch.exp(self.A_log.detach().float()), key
+        return self._a_cache
+
     def forward(self, x: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
         kernels = ops()
         zxbcdt = self.in_proj(x)
         z, xbc, dt = zxbcdt.split([self.d_ssm, self.conv_dim, self.num_heads], dim=-1)
-        dt = self._process_dt(dt, meta.prompt_token_mask)
-        a = -torch.exp(self.A_log.float())
+        a = self._a()
         weight = self.conv1d.weight.squeeze(1)
         nd = meta.num_decode
         ys = []
-        if nd:
+        if nd:  # decode rows are generated tokens (no dt limit): the update applies softplus itself
             src, dst = meta.mamba_src[:nd], meta.mamba_dst[:nd]
             xbc_d = kernels.causal_conv1d_update(xbc[:nd], weight, self.conv1d.bias, self.conv_state, src, dst)
             xs, b, c = self._split_xbc(xbc_d)
-            ys.append(kernels.ssm_state_update(self.ssm_state, xs, dt[:nd], a, b, c, self.D, src, dst))
+            ys.append(kernels.ssm_state_update(self.ssm_state, xs, dt[:nd], a, b, c, self.D, src, dst, self.dt_bias))
         if meta.num_prefill:
             src, dst = meta.mamba_src[nd:meta.num_seqs], meta.mamba_dst[nd:meta.num_seqs]
             cu = meta.prefill_cu_seqlens
             xbc_p = kernels.causal_conv1d_varlen(xbc[nd:], weight, self.conv1d.bias, self.conv_state, cu, src, dst)
             xs, b, c = self._split_xbc(xbc_p)
+            dt_p = self._process_dt(dt[nd:], meta.prompt_token_mask[nd:])
             ys.append(
-                kernels.ssd_chunk_scan_varlen(xs, dt[nd:], a, b, c, self.D, cu, self.ssm_state, src, dst, self.chunk_size)
+                kernels.ssd_chunk_scan_varlen(xs, dt_p, a, b, c, self.D, cu, self.ssm_state, src, dst, self.chunk_size)
             )
         y = torch.cat(ys) if len(ys) > 1 else ys[0]
         y = kernels.gated_rms_norm(y.reshape(x.shape[0], self.d_ssm), z, self.norm.weight, self.norm_eps,

@@ -187,7 +187,9 @@ def _ssm_inputs(tokens: int, heads: int, head_dim: int, groups: int, state: int,
 @pytest.mark.parametrize("batch", [1, 5, 64])
 @pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("shape", SSM_SHAPES)
-def test_ssm_state_update(dtype: torch.dtype, batch: int, in_place: bool, shape: tuple[int, int, int, int]) -> None:
+@pytest.mark.parametrize("raw_dt", [False, True])
+def test_ssm_state_update(dtype: torch.dtype, batch: int, in_place: bool, shape: tuple[int, int, int, int],
+                          raw_dt: bool) -> None:
     if INTERPRET and shape[0] > 8:
         pytest.skip("too slow in the interpreter")
     heads, head_dim, groups, state = shape
@@ -196,9 +198,13 @@ def test_ssm_state_update(dtype: torch.dtype, batch: int, in_place: bool, shape:
     if not in_place:
         states[dst[valid]] = float("nan")
     x, dt, a, b, c, d_skip = _ssm_inputs(batch, heads, head_dim, groups, state, dtype)
+    dt_bias = None
+    if raw_dt:  # the model's decode path: raw projections in the model dtype, a strided slice
+        dt = randn(batch, 2 * heads, dtype=dtype, scale=3.0)[:, ::2]  # spans softplus' linear and log ranges
+        dt_bias = randn(heads)
     expected_states = states.clone()
-    expected = ref.ssm_state_update(expected_states, x, dt, a, b, c, d_skip, src, dst)
-    out = ssm_update.ssm_state_update(states, x, dt, a, b, c, d_skip, src, dst)
+    expected = ref.ssm_state_update(expected_states, x, dt, a, b, c, d_skip, src, dst, dt_bias)
+    out = ssm_update.ssm_state_update(states, x, dt, a, b, c, d_skip, src, dst, dt_bias)
     assert_close(out[valid], expected[valid], TOL[dtype])
     assert (out[~valid] == 0).all()
     check_pool(states, expected_states, dst[valid], 1e-5)

@@ -107,17 +107,22 @@ def ssm_state_update(
     D: torch.Tensor,
     src_slots: torch.Tensor,
     dst_slots: torch.Tensor,
+    dt_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode token per row: read state at src slot, write the new state at dst slot.
 
-    x: [B, H, P]; dt: [B, H] float32 (processed); B, C: [B, G, N]; rows with src slot -1 are
-    padding (output zeros, no state read or written). Returns y: [B, H, P] in x's dtype.
+    x: [B, H, P]; dt: [B, H], processed, or raw when `dt_bias` [H] is given (then
+    softplus(dt + dt_bias) is applied here, like mamba-ssm's `dt_softplus`); B, C:
+    [B, G, N]; rows with src slot -1 are padding (output zeros, no state read or written).
+    Returns y: [B, H, P] in x's dtype.
     """
     valid = src_slots >= 0
     heads = x.shape[1]
     rep = heads // B.shape[1]
     state = ssm_states[src_slots.clamp(min=0)].float()  # [B, H, P, N]
     xf, dtf = x.float(), dt.float()
+    if dt_bias is not None:
+        dtf = F.softplus(dtf + dt_bias.float())
     bh = B.float().repeat_interleave(rep, dim=1)  # [B, H, N]
     ch = C.float().repeat_interleave(rep, dim=1)
     decay = torch.exp(dtf * A.float())[..., None, None]

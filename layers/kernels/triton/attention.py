@@ -213,9 +213,14 @@ def _sm_count(device_index: int) -> int:
 
 
 def _num_splits(q: torch.Tensor, num_decode: int, kv_heads: int) -> int:
-    """Enough (sequence, kv head, split) programs to fill the GPU about four times over."""
+    """Enough (sequence, kv head, split) programs to fill the GPU about four times over.
+
+    Sized from the batch rounded up to a power of two -- the CUDA-graph batch sizes -- so
+    a decode batch splits its keys (and rounds its sums) the same way whether it runs
+    eager or padded into a graph.
+    """
     sms = _sm_count(q.device.index or 0) if q.is_cuda else 16
-    return max(1, min(64, triton.cdiv(4 * sms, num_decode * kv_heads)))
+    return max(1, min(64, triton.cdiv(4 * sms, triton.next_power_of_2(num_decode) * kv_heads)))
 
 
 def paged_attention(

@@ -11,8 +11,18 @@ import triton.language as tl
 
 
 @triton.jit
+def _softplus(x):
+    # log(1 + e^x) as max(x, 0) + log1p(e^-|x|); log1p(u) = log(w) * u / (w - 1), w = 1 + u
+    # (Goldberg), exact to float32 rounding where log(1 + u) alone would lose u's digits.
+    u = tl.exp(-tl.abs(x))
+    w = 1.0 + u
+    log1p = tl.where(w == 1.0, u, tl.log(w) * u / (w - 1.0))
+    return tl.maximum(x, 0.0) + log1p
+
+
+@triton.jit
 def _ssm_update_kernel(
-    state_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, y_ptr, src_ptr, dst_ptr,
+    state_ptr, x_ptr, dt_ptr, dt_bias_ptr, a_ptr, b_ptr, c_ptr, d_ptr, y_ptr, src_ptr, dst_ptr,
     head_dim, state_size, heads_per_group,
     stride_slot, stride_sh, stride_sp, stride_sn,
     stride_xb, stride_xh, stride_xp,
@@ -20,7 +30,7 @@ def _ssm_update_kernel(
     stride_bb, stride_bg, stride_bn,
     stride_cb, stride_cg, stride_cn,
     stride_yb, stride_yh, stride_yp,
-    BP: tl.constexpr, BN: tl.constexpr,
+    BP: tl.constexpr, BN: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -40,6 +50,8 @@ def _ssm_update_kernel(
     state = tl.load(state_ptr + src.to(tl.int64) * stride_slot + tile, mask=tile_in, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + row * stride_xb + head * stride_xh + p * stride_xp, mask=p_in, other=0.0).to(tl.float32)
     dt = tl.load(dt_ptr + row * stride_dtb + head * stride_dth).to(tl.float32)
+    if HAS_DT_BIAS:  # raw dt: softplus(dt + dt_bias) here, saving the separate elementwise kernels
+        dt = _softplus(dt + tl.load(dt_bias_ptr + head).to(tl.float32))
     a = tl.load(a_ptr + head).to(tl.float32)
     b = tl.load(b_ptr + row * stride_bb + group * stride_bg + n * stride_bn, mask=n_in, other=0.0).to(tl.float32)
     c = tl.load(c_ptr + row * stride_cb + group * stride_cg + n * stride_cn, mask=n_in, other=0.0).to(tl.float32)
@@ -60,10 +72,12 @@ def ssm_state_update(
     D: torch.Tensor,
     src_slots: torch.Tensor,
     dst_slots: torch.Tensor,
+    dt_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode token per row: read the state at src slot, write the new state at dst slot.
 
-    x: [B, H, P]; dt: [B, H] float32 (already processed); A, D: [H]; B, C: [B, G, N];
+    x: [B, H, P]; dt: [B, H], processed, or raw when `dt_bias` [H] is given (then
+    softplus(dt + dt_bias) is applied here); A, D: [H]; B, C: [B, G, N];
     ssm_states: [slots, H, P, N]. Rows with src slot -1 are padding (output zeros, no state
     read or written). A row's dst slot must not be another row's src slot (each row owns
     its slots; src == dst of the same row is fine). Returns y: [B, H, P] in x's dtype.
@@ -76,9 +90,9 @@ def ssm_state_update(
     bp = min(16, triton.next_power_of_2(head_dim))
     grid = (batch, heads, triton.cdiv(head_dim, bp))
     _ssm_update_kernel[grid](
-        ssm_states, x, dt, A, B, C, D, y, src_slots, dst_slots,
+        ssm_states, x, dt, dt if dt_bias is None else dt_bias, A, B, C, D, y, src_slots, dst_slots,
         head_dim, state_size, heads // B.shape[1],
         *ssm_states.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *y.stride(),
-        BP=bp, BN=triton.next_power_of_2(state_size), num_warps=4,
+        BP=bp, BN=triton.next_power_of_2(state_size), HAS_DT_BIAS=dt_bias is not None, num_warps=4,
     )
     return y
