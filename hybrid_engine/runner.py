@@ -86,15 +86,13 @@ class ModelRunner:
         for i, mixer in enumerate(model.mamba_mixers()):
             mixer.conv_state, mixer.ssm_state = mamba.layer_views(i)
         # Per request slot, written when a request takes the slot (or gets a new block) and
-        # gathered every step: the KV block table, the sampling row (temperature, top_p,
-        # min_p, repetition / presence / frequency penalty, top_k, logprobs or -1) and
-        # (seed, prompt length).
+        # gathered every step: the KV block table and the sampling row (temperature, top_p,
+        # min_p, repetition / presence / frequency penalty, top_k, logprobs or -1).
         self._block_table = np.zeros((self.max_seqs, self.max_blocks_per_seq), dtype=np.int32)
         self._block_table_len = [0] * self.max_seqs
         self._block_table_owner: list[list[int] | None] = [None] * self.max_seqs
         self._slot_owner: list[Request | None] = [None] * self.max_seqs
         self._slot_sampling = np.zeros((self.max_seqs, 8), dtype=np.float32)
-        self._slot_seed_prompt = np.zeros((self.max_seqs, 2), dtype=np.int64)
         # Greedy, no filters, no penalties: what graph padding rows sample with.
         self._neutral_sampling = np.array([0.0, 1.0, 0.0, 1.0, 0.0, 0.0], dtype=np.float32)[:, None]
         # 0, 1, 2, ...: row indices and positions, sliced instead of built per step.
@@ -120,11 +118,10 @@ class ModelRunner:
 
     # ---- host side -------------------------------------------------------------------
     def _claim_slot(self, request: Request) -> None:
-        """Record the per-slot constants of a request that newly holds its slot."""
+        """Record the sampling row of a request that newly holds its slot."""
         slot = request.seq_slot
         self._slot_owner[slot] = request
         self._slot_sampling[slot] = request.sampling_row
-        self._slot_seed_prompt[slot] = (request.seed, len(request.prompt_token_ids))
 
     def _sync_block_table(self, request: Request) -> None:
         """Copy the request's newly allocated block ids into its slot's host table row.
@@ -154,9 +151,9 @@ class ModelRunner:
         h = self.buffer.host_np
         copies = self.mamba.copies
         owners, bt_owner, bt_len = self._slot_owner, self._block_table_owner, self._block_table_len
-        slots: list[int] = []
-        starts: list[int] = []  # decode rows: the token's position
-        per_row: list[int] = []  # decode rows: (state parity, input_from_prev, output_pos, input id)
+        bs = self.kv.block_size
+        per_seq: list[int] = []  # decode rows, SEQ_I64 order (see _write_decode_rows)
+        per_token: list[int] = []  # decode rows: input id, position, KV slot
         num_from_prev = 0
         for i, c in enumerate(decodes):
             # Runs for every decode row every step: kept flat on purpose (no helper calls
@@ -173,20 +170,28 @@ class ModelRunner:
             # The input token sits at `start`: on the host once its sample retired, else
             # on the device as the previous step's sample at row `launch_row`.
             if start >= n_prompt + n_out:
-                per_row += (r.state_parity ^ (r.inflight & 1), r.launch_row, n_out + r.pending_samples - 1, 0)
+                from_prev, token = r.launch_row, 0
                 num_from_prev += 1
             else:
+                from_prev = -1
                 token = output[start - n_prompt] if start >= n_prompt else r.prompt_token_ids[start]
-                per_row += (r.state_parity ^ (r.inflight & 1), -1, n_out + r.pending_samples - 1, token)
-            slots.append(slot)
-            starts.append(start)
+            # Under ping-pong a row reads the copy its predecessor wrote (the committed one,
+            # flipped once per launched row still in flight) and writes the other.
+            if copies == 2:
+                src = 2 * slot + (r.state_parity ^ (r.inflight & 1))
+                dst = src ^ 1
+            else:
+                src = dst = slot
+            per_seq += (src, dst, from_prev, i, r.seed, n_out + r.pending_samples - 1, slot, n_prompt, start + 1)
+            per_token += (token, start, blocks[start // bs] * bs + start % bs)
             r.launch_row = i
             r.inflight += 1
         if num_from_prev and prev is None:
             raise RuntimeError("a decode input is still on the device but no previous step was given")
+        slots: list[int] = per_seq[6::9]
         if n_dec:
-            self._write_decode_rows(np.array(slots, dtype=np.int64), np.array(starts, dtype=np.int64),
-                                    np.array(per_row, dtype=np.int64).reshape(n_dec, 4).T, copies)
+            self._write_decode_rows(np.array(per_seq, dtype=np.int64).reshape(n_dec, len(SEQ_I64)),
+                                    np.array(per_token, dtype=np.int64).reshape(n_dec, 3))
         num_tokens, max_q = n_dec, 1
         if prefills:
             num_tokens, max_q = self._write_prefill_rows(prefills, n_dec, slots)
@@ -206,33 +211,15 @@ class ModelRunner:
         self.buffer.sync()
         return plan
 
-    def _write_decode_rows(self, slots: np.ndarray, starts: np.ndarray, per_row: np.ndarray, copies: int) -> None:
-        """Fields of decode rows [0, n): per-row values plus gathers from the slot tables."""
-        n, bs = len(slots), self.kv.block_size
+    def _write_decode_rows(self, per_seq: np.ndarray, per_token: np.ndarray) -> None:
+        """Fields of decode rows [0, n) from their per-row values ([n, 9] and [n, 3])."""
+        n = len(per_seq)
         h = self.buffer.host_np
-        tokens, seqs = self.buffer.host_group("token_i64"), self.buffer.host_group("seq_i64")
-        parity = per_row[0]
-        tokens[0, :n] = per_row[3]
-        tokens[1, :n] = starts
-        tokens[2, :n] = self._block_table[slots, starts // bs] * bs + starts % bs
         # SEQ_I64 order: mamba_src, mamba_dst, input_from_prev, logits_indices, seeds,
-        # output_pos, history_rows, prompt_lens, history_lens. Under ping-pong a row reads
-        # the copy its predecessor wrote and writes the other.
-        if copies == 2:
-            seqs[0, :n] = 2 * slots + parity
-            seqs[1, :n] = 2 * slots + 1 - parity
-        else:
-            seqs[0, :n] = slots
-            seqs[1, :n] = slots
-        seqs[2, :n] = per_row[1]
-        seqs[3, :n] = self._rows[:n]
-        seed_prompt = self._slot_seed_prompt[slots]
-        seqs[4, :n] = seed_prompt[:, 0]
-        seqs[5, :n] = per_row[2]
-        seqs[6, :n] = slots
-        seqs[7, :n] = seed_prompt[:, 1]
-        seqs[8, :n] = starts + 1
-        h["seq_lens"][:n] = starts + 1
+        # output_pos, history_rows, prompt_lens, history_lens.
+        self.buffer.host_group("seq_i64")[:, :n] = per_seq.T
+        self.buffer.host_group("token_i64")[:, :n] = per_token.T
+        h["seq_lens"][:n] = per_seq[:, 8]
         h["prompt_token_mask"][:n] = False
         h["prefill_cu_seqlens"][0] = 0
 
@@ -390,5 +377,5 @@ class ModelRunner:
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
-            event.record()
+            event.record(self.buffer.stream)
         return StepHandle(plan, host_out, event)

@@ -138,7 +138,7 @@ class StepProbe:
                     **{f"host_{k}_us": 1e6 * v / steps for k, v in self.host.items()})
 
 
-def probe_decode(llm: LLM, batch: int, prompt: list[int], steps: int = 48) -> dict:
+def probe_decode(llm: LLM, batch: int, prompt: list[int], steps: int = 96) -> dict:
     """GPU idle fraction and host time per phase over decode-only steps (the batch is
     prefilled and a few decode steps run before probing)."""
     engine = llm.engine
