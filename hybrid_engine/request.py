@@ -63,7 +63,7 @@ class RequestOutput:
                 f"text={self.text!r}, finished={self.finished}, finish_reason={self.finish_reason!r})")
 
 
-@dataclass(eq=False)  # identity semantics: requests live in queues and dicts
+@dataclass(eq=False, slots=True)  # identity semantics: requests live in queues and dicts
 class Request:
     """Engine-side request: tokens, progress, and the resources it holds."""
 
@@ -94,6 +94,7 @@ class Request:
     # Streaming deltas accumulated since the last output was emitted.
     pending_token_ids: list[int] = field(default_factory=list)
     pending_text: str = ""
+    sampling_row: tuple[float, ...] = field(init=False, default=())  # set in __post_init__
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
