@@ -140,9 +140,32 @@ class StepBuffer:
         """The same views as `host`, as NumPy arrays (what the bookkeeping writes through)."""
         return self._host_np[self._current]
 
-    def host_group(self, name: str) -> np.ndarray:
-        """2-D NumPy view `[fields, rows]` of a field group (`GROUPS`) in the current host buffer."""
-        return self._host_groups[self._current][name]
+    def host_group(self, name: str, index: int | None = None) -> np.ndarray:
+        """2-D NumPy view `[fields, rows]` of a field group (`GROUPS`) in the current host
+        buffer (or in host buffer `index`)."""
+        return self._host_groups[self._current if index is None else index][name]
+
+    @property
+    def current_index(self) -> int:
+        """Which of the two host buffers the next step is written into."""
+        return self._current
+
+    def _decode_rows(self, index: int, rows: int) -> list[np.ndarray]:
+        """Views of every field a decode-only step of `rows` rows uses, in host buffer `index`."""
+        groups, views = self._host_groups[index], self._host_np[index]
+        return ([groups[name][:, :rows] for name in GROUPS]
+                + [views[name][:rows] for name in ("seq_lens", "block_tables", "top_k", "prompt_token_mask")]
+                + [views[name][:rows + 1] for name in ("cu_seqlens_q", "prefill_cu_seqlens")])
+
+    def copy_rows_from(self, index: int, rows: int) -> None:
+        """Copy a decode-only step's fields (sequences and tokens [0, rows)) from host
+        buffer `index` into the current host buffer."""
+        for dst, src in zip(self._decode_rows(self._current, rows), self._decode_rows(index, rows)):
+            dst[...] = src
+
+    def decode_rows_snapshot(self, rows: int) -> list[np.ndarray]:
+        """A copy of what `copy_rows_from` covers, in the current host buffer (for checks)."""
+        return [v.copy() for v in self._decode_rows(self._current, rows)]
 
     @property
     def nbytes(self) -> int:

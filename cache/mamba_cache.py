@@ -42,6 +42,10 @@ class MambaSlotAllocator:
         """The state-slot indices (one per copy) owned by request slot `slot`."""
         return [slot * self.copies + i for i in range(self.copies)]
 
+    def has_new_slots(self) -> bool:
+        """Whether state slots handed out since the last `take_new_slots` await zeroing."""
+        return bool(self._to_zero)
+
     def take_new_slots(self) -> list[int]:
         """State slots handed out since the last call: the next step must zero them."""
         taken, self._to_zero = self._to_zero, []

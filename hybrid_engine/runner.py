@@ -5,6 +5,7 @@ ONE copy; `launch` runs the forward and the sampler on the device and starts an
 asynchronous device-to-host copy of the samples guarded by an event; `StepHandle.wait`
 blocks on that event only. Serial mode calls the three back to back.
 """
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +19,10 @@ from hybrid_engine.request import Request
 from hybrid_engine.sampling import SamplingTensors, sample
 from hybrid_engine.scheduler import SchedulerOutput
 from layers.forward_meta import ForwardMeta
+
+
+# Debugging knob: check every fast-path step against the general path (slow; tests set it).
+CHECK_FAST_PATHS_ENV = "HYBRID_ENGINE_CHECK_FAST_PATHS"
 
 
 @dataclass
@@ -34,6 +39,8 @@ class StepPlan:
     use_penalties: bool
     num_from_prev: int  # decode rows whose input is the previous step's sample (on device)
     num_new_slots: int = 0  # Mamba state slots to zero before the forward
+    host_index: int = -1  # the step buffer's host buffer this step was written into
+    decode_requests: list[Request] | None = None  # a decode-only step's rows, in order
 
     @property
     def num_seqs(self) -> int:
@@ -115,6 +122,8 @@ class ModelRunner:
         # Stream order makes step N+1 read N's samples before writing its own.
         self._sampled = torch.zeros(self.max_seqs, dtype=torch.int64, device=device)
         self.graphs = None  # DecodeGraphs, when CUDA graphs are enabled
+        self.num_steady_steps = 0  # steps prepared by the steady-state decode fast path
+        self.check_steady_decode = os.environ.get(CHECK_FAST_PATHS_ENV) == "1"
 
     # ---- host side -------------------------------------------------------------------
     def _claim_slot(self, request: Request) -> None:
@@ -146,6 +155,21 @@ class ModelRunner:
         change every step, the rest is gathered from the per-slot tables at once;
         prefill chunks take the general per-token path.
         """
+        plan = None
+        if prev is not None and not sched.prefills:
+            plan = self._write_steady_decode(sched, prev)
+            if plan is not None and self.check_steady_decode:
+                self._check_steady_decode(plan, prev)
+        if plan is None:
+            plan = self._write_step(sched, prev)
+        else:
+            self.num_steady_steps += 1
+        plan.host_index = self.buffer.current_index
+        self.buffer.sync()
+        return plan
+
+    def _write_step(self, sched: SchedulerOutput, prev: StepHandle | None) -> StepPlan:
+        """The general path: every row's fields from the requests' bookkeeping."""
         decodes, prefills = sched.decodes, sched.prefills
         n_dec, n_seq = len(decodes), len(decodes) + len(prefills)
         h = self.buffer.host_np
@@ -204,11 +228,67 @@ class ModelRunner:
         plan = self._write_sampling(sched, slots_np, n_dec, num_tokens, max_q)
         plan.num_from_prev = num_from_prev
         plan.num_new_slots = len(new_slots)
+        if not prefills:
+            plan.decode_requests = [c.request for c in decodes]
         if self.graphs is not None:
             size = self.graphs.padded_size(n_dec, plan.num_prefill, plan.use_penalties, plan.num_logprobs)
             if size is not None:
                 self._write_padding(plan, size)
-        self.buffer.sync()
+        return plan
+
+    def _check_steady_decode(self, plan: StepPlan, prev: StepHandle) -> None:
+        """Debug check (HYBRID_ENGINE_CHECK_FAST_PATHS=1, set by the tests): rewrite the
+        step through the general path and require the same host fields and plan."""
+        fast = self.buffer.decode_rows_snapshot(plan.num_decode)
+        for r in plan.decode_requests:
+            r.inflight -= 1  # undo: the general path counts the launch again
+        general = self._write_step(plan.sched, prev)
+        same_fields = all(np.array_equal(a, b) for a, b in zip(fast, self.buffer.decode_rows_snapshot(plan.num_decode)))
+        if not same_fields or general != plan:
+            raise AssertionError(f"steady-state decode fast path differs from the general path: fields equal "
+                                 f"{same_fields}, plans {plan} vs {general}")
+
+    def _write_steady_decode(self, sched: SchedulerOutput, prev: StepHandle) -> StepPlan | None:
+        """The steady-state decode step, derived from the previous one without a per-row loop.
+
+        Applies when this step's rows are exactly `prev`'s rows (same requests, same order,
+        decode only, under launch-ahead) and no row enters a new KV block. Each row then
+        reads the state copy `prev` writes and writes the one it reads, is one position
+        further (KV slot + 1 in the same block), one output further, and takes its input
+        from `prev`'s sample at the same row; everything else (sampling, block tables,
+        graph padding) is unchanged. So the host buffer is `prev`'s, copied, plus those
+        deltas. Returns None (having changed nothing) when the step does not qualify.
+        """
+        pp, n = prev.plan, len(sched.decodes)
+        if (pp.decode_requests is None or len(pp.decode_requests) != n or self.mamba.copies != 2
+                or pp.host_index != self.buffer.current_index ^ 1 or self.mamba.has_new_slots()):
+            return None
+        requests = [c.request for c in sched.decodes]
+        if requests != pp.decode_requests:  # identity comparison (Request has eq=False)
+            return None
+        positions = self.buffer.host_group("token_i64", pp.host_index)[1, :n] + 1
+        if (positions % self.kv.block_size == 0).any():
+            return None
+        size = n
+        if self.graphs is not None:
+            size = self.graphs.padded_size(n, 0, pp.use_penalties, pp.num_logprobs) or n
+        self.buffer.copy_rows_from(pp.host_index, size)  # graph padding rows included
+        tokens, seqs = self.buffer.host_group("token_i64"), self.buffer.host_group("seq_i64")
+        tokens[0, :n] = 0  # every input comes from `prev` (the device fills it in)
+        tokens[1, :n] = positions
+        tokens[2, :n] += 1
+        seqs[[0, 1], :n] = seqs[[1, 0], :n]  # ping-pong: src <-> dst
+        seqs[2, :n] = self._rows[:n]  # input_from_prev: the same row of `prev`
+        seqs[5, :n] += 1  # output_pos
+        seqs[8, :n] += 1  # history_lens
+        self.buffer.host_np["seq_lens"][:n] += 1
+        for r in requests:
+            r.inflight += 1  # (launch_row is already this row)
+        plan = StepPlan(sched=sched, num_decode=n, num_prefill=0, num_tokens=n, max_seqlen_q=1,
+                        num_logprobs=pp.num_logprobs, all_greedy=pp.all_greedy, use_penalties=pp.use_penalties,
+                        num_from_prev=n, decode_requests=requests)
+        if size > n:
+            self._pad_plan(plan, size)
         return plan
 
     def _write_decode_rows(self, per_seq: np.ndarray, per_token: np.ndarray) -> None:
@@ -287,6 +367,10 @@ class ModelRunner:
             h["block_tables"][lo:size] = 0
             h["top_k"][lo:size] = 0
         h["prefill_cu_seqlens"][0] = 0
+        self._pad_plan(plan, size)
+
+    @staticmethod
+    def _pad_plan(plan: StepPlan, size: int) -> None:
         plan.num_decode = plan.num_tokens = size
         plan.max_seqlen_q = 1
         plan.num_from_prev = size  # the graph always gathers (rows of -1 keep the host ids)

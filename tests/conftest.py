@@ -4,6 +4,10 @@ import os
 import pytest
 import torch
 
+# Every steady-state decode step the runner prepares through its fast path is checked
+# against the general path (hybrid_engine/runner.py, CHECK_FAST_PATHS_ENV).
+os.environ.setdefault("HYBRID_ENGINE_CHECK_FAST_PATHS", "1")
+
 # The embedded model is tiny: on a small shared CPU box intra-op threads only add
 # contention (measured 50-100x slower steps with 2 busy cores). Override with the env var.
 if not torch.cuda.is_available():

@@ -167,3 +167,30 @@ def test_rejected_launch_restores_mamba_state_bit_exactly():
         engine.step()
     assert len(checked) > 20
     assert engine.stats()["state_restores"] >= len(checked)
+
+
+def test_steady_decode_fast_path_runs_checked_and_catches_a_wrong_field(monkeypatch):
+    """Most launch-ahead decode steps take the runner's steady-state fast path; with the
+    tests' HYBRID_ENGINE_CHECK_FAST_PATHS=1 each is compared with the general path, and
+    the comparison does catch a wrong field."""
+    params = [_params(i, max_tokens=40) for i in range(4)]
+    llm = LLM(async_scheduling=True, max_num_seqs=6, kv_block_size=16, seed=1)
+    runner = llm.engine.runner
+    assert runner.check_steady_decode
+    outs = llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    serial = LLM(async_scheduling=False, max_num_seqs=6, kv_block_size=16, seed=1).generate(
+        PROMPTS[:4], params, use_tqdm=False)
+    assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in serial]
+    assert runner.num_steady_steps > 20  # of ~40 decode steps: not the first, nor a step entering a KV block
+
+    original = runner._write_steady_decode
+
+    def off_by_one_position(sched, prev):
+        plan = original(sched, prev)
+        if plan is not None:
+            runner.buffer.host_group("token_i64")[1, 0] += 1
+        return plan
+
+    monkeypatch.setattr(runner, "_write_steady_decode", off_by_one_position)
+    with pytest.raises(AssertionError, match="fast path differs"):
+        llm.generate(PROMPTS[:2], params[:2], use_tqdm=False)
