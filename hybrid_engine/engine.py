@@ -26,6 +26,7 @@ from cache.mamba_cache import MambaSlotAllocator
 from hybrid_engine.config import EngineConfig
 from hybrid_engine.cuda_graphs import DECODE_OPS, DecodeGraphs
 from hybrid_engine.detokenizer import IncrementalDetokenizer
+from hybrid_engine.gc_control import StepGarbageCollector
 from hybrid_engine.models.embedded import EMBEDDED_CONFIG, EMBEDDED_MODEL_NAME, EMBEDDED_WEIGHT_SEED
 from hybrid_engine.models.loader import load_model, read_config
 from hybrid_engine.models.presets import get_preset
@@ -88,6 +89,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self._just_finished: list[Request] = []  # finished during the current step's bookkeeping
+        self._gc = StepGarbageCollector()
         self._seed_counter = 0
         self._inflight: StepHandle | None = None
         self._rejector = random.Random(cfg.seed)  # inject_rejection_rate draws, deterministic
@@ -233,6 +235,17 @@ class LLMEngine:
     # ---- the step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one batched step; returns the outputs of the requests that advanced or ended."""
+        self._gc.busy()
+        try:
+            outputs = self._step()
+        except BaseException:
+            self._gc.idle()
+            raise
+        if not self.requests:
+            self._gc.idle()
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         outputs = [self._emit(r) for r in self._aborted]
         self._aborted.clear()
         if self._inflight is None:
@@ -248,6 +261,7 @@ class LLMEngine:
             if not spec.is_empty:
                 ahead = self._launch(spec, prev=current)
                 self._counters["launch_ahead_steps"] += 1
+        self._gc.collect_in_slack()  # the device has `current` (and `ahead`) queued
         self._just_finished.clear()
         outputs.extend(self._retire(current, current.wait()))
         self._inflight = self._reconcile(ahead) if ahead is not None else None

@@ -134,7 +134,9 @@ class StepProbe:
         pairs = list(zip(self.starts, self.ends[len(self.ends) - len(self.starts):]))
         busy = sum(s.elapsed_time(e) for s, e in pairs)
         wall = pairs[0][0].elapsed_time(pairs[-1][1])
+        gaps = sorted((e.elapsed_time(s) for (_, e), (s, _) in zip(pairs, pairs[1:])), reverse=True)
         return dict(gpu_idle=1.0 - busy / wall, gpu_busy_ms_per_step=busy / len(pairs),
+                    largest_gaps_ms=[round(g, 3) for g in gaps[:3]],
                     **{f"host_{k}_us": 1e6 * v / steps for k, v in self.host.items()})
 
 
@@ -245,7 +247,7 @@ def main() -> None:
             host = " ".join(f"{k}={probe[f'host_{k}_us']:.0f}" for k in StepProbe.PHASES)
             print(f"{mode:14s} B={batch:4d} {r['tok_s']:9.0f} tok/s  itl mean/p50/p99 {r['itl_mean_ms']:.2f}/"
                   f"{r['itl_p50_ms']:.2f}/{r['itl_p99_ms']:.2f} ms  idle {probe['gpu_idle']:.1%}  gpu busy "
-                  f"{probe['gpu_busy_ms_per_step']:.3f} ms/step  prefill {r['all_first_token_s']:.3f} s  step/floor {r['itl_p50_ms'] / floor_ms:.2f}x  "
+                  f"{probe['gpu_busy_ms_per_step']:.3f} ms/step  largest gaps {probe['largest_gaps_ms']} ms  prefill {r['all_first_token_s']:.3f} s  step/floor {r['itl_p50_ms'] / floor_ms:.2f}x  "
                   f"host us/step: {host}", flush=True)
         del llm
         torch.cuda.empty_cache()
