@@ -290,7 +290,10 @@ def test_write_kv_cache(dtype: torch.dtype, block_size: int) -> None:
     kv_heads, head_dim, num_blocks, tokens = 2, 96, 6, 20
     k_cache = randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
     v_cache = randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
-    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens]
+    # Distinct slots (two tokens on one slot would race): a permutation without the two
+    # block-boundary slots that rows 1 and 2 take.
+    pool = torch.randperm(num_blocks * block_size, device=DEVICE)
+    slots = pool[(pool != block_size - 1) & (pool != block_size)][:tokens].clone()
     slots[[0, 7, 19]] = -1
     slots[1] = block_size - 1  # last offset of block 0, then the first of block 1
     slots[2] = block_size
