@@ -120,3 +120,25 @@ BAD_CONFIGS = [
 def test_bad_engine_config_raises_value_error_naming_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         LLM(device=kwargs.pop("device", "cpu"), **kwargs)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_step_outputs_are_snapshots_of_their_step(make_llm, async_scheduling):
+    """A RequestOutput keeps what its request had at that step (tokens, logprobs, text),
+    even though it only references the request's growing lists."""
+    engine = make_llm(async_scheduling=async_scheduling).engine
+    engine.add_request("a", "Hello there", SamplingParams(max_tokens=12, temperature=0.9, seed=3, logprobs=2,
+                                                          ignore_eos=True))
+    seen = []  # (output, copies of its fields taken at that step)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.append((out, list(out.output_token_ids), out.text, [dict(d) for d in out.logprobs]))
+    final = seen[-1][0]
+    assert final.finished and len(final.output_token_ids) == 12
+    streamed = []
+    for out, tokens, text, logprobs in seen:
+        streamed += out.new_token_ids
+        assert out.output_token_ids == tokens == streamed  # unchanged by later steps
+        assert out.text == text and final.text.startswith(text)
+        assert out.logprobs == logprobs == final.logprobs[: len(tokens)]
+    assert len({len(tokens) for _, tokens, _, _ in seen}) == len(seen)  # one snapshot per token count
