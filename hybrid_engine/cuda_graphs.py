@@ -26,8 +26,7 @@ DECODE_OPS = ("rms_norm", "gated_rms_norm", "causal_conv1d_update", "ssm_state_u
 class DecodeGraphs:
     """Captured decode steps of a `ModelRunner`, replayed when a plan matches one."""
 
-    def __init__(self, runner, max_num_seqs: int):
-        self.runner = runner
+    def __init__(self, max_num_seqs: int):
         sizes = [b for b in CAPTURE_SIZES if b < max_num_seqs] + [max_num_seqs]
         self.sizes = sorted(set(sizes))
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -39,20 +38,22 @@ class DecodeGraphs:
         return next((b for b in self.sizes if b >= num_decode), None)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every (size, greedy / sampling) graph into one shared memory pool."""
+    def capture(self, runner) -> None:
+        """Capture every (size, greedy / sampling) graph of `runner`'s decode step into one
+        shared memory pool. (The runner is not kept: it holds these graphs, and a
+        reference back would make a cycle that only the garbage collector could free.)"""
         torch.cuda.synchronize()
         start, mem_before = time.perf_counter(), torch.cuda.memory_allocated()
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first: smaller graphs reuse its pool blocks
             for all_greedy in (True, False):
-                plan = self.runner.padding_plan(size, all_greedy)
+                plan = runner.padding_plan(size, all_greedy)
                 for _ in range(2):  # warm-up: Triton compiles and autotunes outside the capture
-                    self.runner.forward_sample(plan)
+                    runner.forward_sample(plan)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    out = self.runner.forward_sample(plan)
+                    out = runner.forward_sample(plan)
                 self._graphs[(size, all_greedy)] = (graph, out)
         torch.cuda.synchronize()
         logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s, %.1f MiB", len(self._graphs),

@@ -95,11 +95,6 @@ class LLMEngine:
         self._rejector = random.Random(cfg.seed)  # inject_rejection_rate draws, deterministic
         self._counters = dict(steps=0, launch_ahead_steps=0, rejected_launches=0, state_restores=0,
                               prefill_tokens=0, decode_tokens=0)
-        # Everything built so far lives as long as the engine: moving it out of the
-        # collector's generations keeps the garbage collections that per-step objects
-        # trigger short (a full collection would otherwise walk the model's objects).
-        gc.collect()
-        gc.freeze()
         logger.info(
             "engine ready: model=%s device=%s dtype=%s kernels=%s capacity: %d concurrent requests, %d KV tokens "
             "(%d blocks x %d)", self.model_name, self.device, cfg.dtype, self.kernels.name, max_num_seqs,
@@ -112,8 +107,8 @@ class LLMEngine:
         if slow:
             logger.warning("CUDA graphs disabled: decode ops %s have no fast kernel here", slow)
             return
-        graphs = DecodeGraphs(self.runner, max_num_seqs)
-        graphs.capture()
+        graphs = DecodeGraphs(max_num_seqs)
+        graphs.capture(self.runner)
         self.runner.graphs = graphs
         self.runner.buffer.num_syncs = 0  # capture's own copies are not steps
 

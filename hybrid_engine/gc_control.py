@@ -10,8 +10,10 @@ none without it.
 So while the engine has requests, automatic collection is off and the engine collects
 itself, at a point of the step where the device still has queued work: the youngest
 generation every few steps, the middle one now and then, everything rarely (a bound on
-what reference cycles can hold). When the engine runs out of requests, automatic
-collection resumes as the process had it.
+what reference cycles can hold; that one may still cost ~1 ms, once per 8192 steps).
+When the engine runs out of requests, automatic collection resumes as the process had it.
+Nothing is frozen (`gc.freeze`): frozen objects are never collected, so a frozen
+reference cycle -- the caller's or a dropped engine's -- would leak.
 """
 import gc
 

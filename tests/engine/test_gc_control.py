@@ -61,3 +61,19 @@ def test_collection_cadence(monkeypatch):
     assert calls.count(1) == gc_control.FULL_EVERY // gc_control.MIDDLE_EVERY - 1
     assert calls.count(0) == (gc_control.FULL_EVERY // gc_control.YOUNG_EVERY
                               - gc_control.FULL_EVERY // gc_control.MIDDLE_EVERY)
+
+
+def test_a_dropped_engine_is_freed_without_the_collector(make_llm):
+    """No reference cycle holds an engine (or its pools): dropping the last reference frees
+    it at once -- a cycle would wait for a collection (and GPU memory with it)."""
+    import weakref
+
+    llm = make_llm()
+    engine = llm.engine
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    refs = [weakref.ref(o) for o in (engine, engine.runner, engine.kv, engine.mamba, engine.model)]
+    gc.disable()
+    del llm, engine
+    assert all(r() is None for r in refs)
