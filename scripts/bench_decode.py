@@ -1,13 +1,16 @@
 """Decode benchmark: output tok/s, inter-token latency, GPU idle fraction and the memory
 roofline floor, for our engine in three modes (async + graphs, serial + graphs, serial eager).
 
-    python scripts/bench_decode.py --model peer --batches 1 8 32 128 --prompt-len 256 --output-len 128
-    python scripts/bench_decode.py --model preset:nemotron-h-8b --batches 1 32 --json out.json
+    python scripts/bench_decode.py --model peer --batches 1 8 32 128 256 --prompt-len 256 --output-len 128
+    python scripts/bench_decode.py --model preset:nemotron-h-8b --batches 1 8 --hf-batch 8 --json out.json
 
 `--model peer` is a NemotronH config with the shapes of the Megatron-Core peer harness
 (../shared/peers/megatron): hidden 1024, pattern M*-M-M*-M-M*-M-M*-M-, relu2 MLP 4096,
 16/4 heads, no RoPE, Mamba-2 32x64 heads, 8 groups, state 128, vocab 32768. Weights are
-random (load_format="dummy"), bf16. Prints one table; `--json` also writes the rows.
+random (load_format="dummy"), bf16. Each row is the median of `--repeats` timed runs after
+a warm-up run; the GPU idle fraction and host time per phase come from `StepProbe` (CUDA
+events, no profiler). `--hf-batch N` adds HF transformers' `generate` on the same config.
+Prints one table; `--json` also writes the rows. Numbers and commands: docs/benchmarks.md.
 """
 import argparse
 import gc
