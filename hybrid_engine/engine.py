@@ -273,7 +273,8 @@ class LLMEngine:
         """Bookkeeping of a finished step: commit its valid rows, append and check samples.
 
         Runs for every row every step, so the common case (a valid decode row) is kept
-        flat: no helper calls unless the row is dropped, has logprobs or stops.
+        flat: no helper calls but the stop check and the output, unless the row is
+        dropped or has logprobs.
         """
         outputs = []
         dropped = False
@@ -307,9 +308,7 @@ class LLMEngine:
                 logger.exception("request %s failed while appending its token", request.request_id)
                 request.error = f"{type(e).__name__}: {e}"
                 self._finish(request, "error")
-            if request.status is finished:
-                self.requests.pop(request.request_id, None)
-            outputs.append(request.make_output())
+            outputs.append(self._emit(request))
         if dropped:
             self._counters["rejected_launches"] += 1
         return outputs

@@ -146,14 +146,22 @@ class ModelRunner:
             self._block_table[slot, known:len(blocks)] = blocks[known:]
             self._block_table_len[slot] = len(blocks)
 
+    def _state_rows(self, request: Request) -> tuple[int, int]:
+        """(src, dst) Mamba state rows of the request's next launched row. In place with one
+        copy; under ping-pong it reads the copy its predecessor wrote (the committed one,
+        flipped once per launched row still in flight) and writes the other."""
+        if self.mamba.copies == 1:
+            return request.seq_slot, request.seq_slot
+        src = 2 * request.seq_slot + (request.state_parity ^ (request.inflight & 1))
+        return src, src ^ 1
+
     def prepare(self, sched: SchedulerOutput, prev: StepHandle | None = None) -> StepPlan:
         """Write the step into the host buffer and mirror it to the device (one copy).
 
         A decode row whose input token is still in flight (sampled by `prev`, not yet on
         the host) gets `input_from_prev` = its row in `prev`; the device fills it in.
-        Decode rows (one token each) take a flat per-row loop of the few values that
-        change every step, the rest is gathered from the per-slot tables at once;
-        prefill chunks take the general per-token path.
+        A step with exactly `prev`'s decode rows is derived from `prev`'s fields
+        (`_write_steady_decode`); any other goes through `_write_step`.
         """
         plan = None
         if prev is not None and not sched.prefills:
@@ -173,7 +181,6 @@ class ModelRunner:
         decodes, prefills = sched.decodes, sched.prefills
         n_dec, n_seq = len(decodes), len(decodes) + len(prefills)
         h = self.buffer.host_np
-        copies = self.mamba.copies
         owners, bt_owner, bt_len = self._slot_owner, self._block_table_owner, self._block_table_len
         bs = self.kv.block_size
         per_seq: list[int] = []  # decode rows, SEQ_I64 order (see _write_decode_rows)
@@ -199,13 +206,7 @@ class ModelRunner:
             else:
                 from_prev = -1
                 token = output[start - n_prompt] if start >= n_prompt else r.prompt_token_ids[start]
-            # Under ping-pong a row reads the copy its predecessor wrote (the committed one,
-            # flipped once per launched row still in flight) and writes the other.
-            if copies == 2:
-                src = 2 * slot + (r.state_parity ^ (r.inflight & 1))
-                dst = src ^ 1
-            else:
-                src = dst = slot
+            src, dst = self._state_rows(r)
             per_seq += (src, dst, from_prev, i, r.seed, n_out + r.pending_samples - 1, slot, n_prompt, start + 1)
             per_token += (token, start, blocks[start // bs] * bs + start % bs)
             r.launch_row = i
@@ -310,7 +311,7 @@ class ModelRunner:
         h = self.buffer.host_np
         tokens, seqs = self.buffer.host_group("token_i64"), self.buffer.host_group("seq_i64")
         prompt_mask = h["prompt_token_mask"]
-        copies, bs = self.mamba.copies, self.kv.block_size
+        bs = self.kv.block_size
         per_seq: list[int] = []
         cu = [n_dec]
         for j, c in enumerate(prefills):
@@ -326,17 +327,15 @@ class ModelRunner:
             in_prompt = max(0, min(end, n_prompt) - start)
             tokens[0, t0:t0 + in_prompt] = prompt[start:start + in_prompt]
             tokens[0, t0 + in_prompt:t1] = output[max(start - n_prompt, 0): max(end - n_prompt, 0)]
-            positions = self._rows[start:end] if end <= len(self._rows) else np.arange(start, end)
+            positions = self._rows[start:end]  # (end <= max_model_len <= len(_rows))
             tokens[1, t0:t1] = positions
             tokens[2, t0:t1] = self._block_table[slot, positions // bs] * bs + positions % bs
             prompt_mask[t0:t0 + in_prompt] = True
             prompt_mask[t0 + in_prompt:t1] = False
             cu.append(t1)
-            parity = r.state_parity ^ (r.inflight & 1) if copies == 2 else 0
-            base = slot * copies
-            dst = base + 1 - parity if copies == 2 else base
+            src, dst = self._state_rows(r)
             # SEQ_I64 order (see _write_decode_rows).
-            per_seq += (base + parity, dst, -1, t1 - 1, r.seed,
+            per_seq += (src, dst, -1, t1 - 1, r.seed,
                         len(output) + r.pending_samples - c.samples, slot, n_prompt, end)
             slots.append(slot)
             r.launch_row = n_dec + j

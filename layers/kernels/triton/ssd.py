@@ -129,22 +129,17 @@ def ssd_chunk_scan_varlen(
         dt = dt.contiguous()
     if ssm_states.stride(-1) != 1:
         raise ValueError("ssm_states must be contiguous in its last dimension")
-    _launch(x, dt, A, B, C, D, cu_seqlens, ssm_states, src_slots, dst_slots, y, CHUNK, BLOCK_P, NUM_WARPS)
-    return y
-
-
-def _launch(x, dt, A, B, C, D, cu_seqlens, ssm_states, src_slots, dst_slots, y, chunk: int, block_p: int,
-            num_warps: int) -> None:
     num_tokens, heads, head_dim = x.shape
     groups, state_size = B.shape[1], B.shape[2]
     num_seqs = src_slots.shape[0]
-    block_p = min(block_p, triton.next_power_of_2(head_dim))
+    block_p = min(BLOCK_P, triton.next_power_of_2(head_dim))
     grid = (num_seqs + 1, heads, triton.cdiv(head_dim, block_p))
     _ssd_varlen_kernel[grid](
         x, dt, A, B, C, D, cu_seqlens, ssm_states, src_slots, dst_slots, y,
         num_seqs, num_tokens, head_dim, state_size, heads // groups,
         x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
         ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), y.stride(0), y.stride(1),
-        CHUNK=chunk, BP=block_p, BN=max(16, triton.next_power_of_2(state_size)),
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps,
+        CHUNK=CHUNK, BP=block_p, BN=max(16, triton.next_power_of_2(state_size)),
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS,
     )
+    return y
