@@ -1,28 +1,31 @@
 """LLMEngine: requests in, one batched step at a time, outputs out.
 
-Each `step()` is nano-vllm's three calls: `scheduler.schedule()` picks the batch,
-`runner.prepare` + `runner.launch` run it on the device, `_retire` appends the sampled
-tokens, detects finishes and frees resources. The CPU bookkeeping here is the single
-source of truth; the device only ever sees it through the runner's step buffer.
+Each `step()` is three calls: `scheduler.schedule()` picks the batch and launches its rows,
+`runner.prepare` + `runner.launch` run it on the device, `scheduler.retire` appends the
+sampled tokens, detects finishes and frees resources. The scheduler owns every request
+transition; the engine wires the calls, turns requests into outputs and counts.
 
-Launch-ahead (`async_scheduling=True`): with step N in flight, step N+1 is scheduled
-speculatively (every running request continues) and launched BEFORE N's bookkeeping, its
-decode inputs taken from N's samples on the device; N's bookkeeping then runs while the
-device computes N+1, and `_reconcile` decides row by row what of N+1 stays valid. Mamba
-state uses ping-pong copies (`MambaSlotAllocator(copies=2)`): a row reads the committed
-copy and writes the other, retiring a row flips the request's parity, rejecting it leaves
-the committed copy untouched -- an exact restore with no copy traffic.
+Launch-ahead (`async_scheduling=True`, `_launch_ahead`): with step N in flight, step N+1
+is scheduled speculatively (every running request continues) and launched BEFORE N's
+bookkeeping, its decode inputs taken from N's samples on the device; N's bookkeeping then
+runs while the device computes N+1, and `_reconcile` decides row by row what of N+1 stays
+valid. Each request owns two Mamba state copies (`MambaStateAllocator`): a row reads one
+and writes the other, retiring it commits the copy it wrote, rejecting it commits nothing
+-- an exact restore with no copy traffic.
+
+A step that raises ends the requests it touched with finish_reason "error" and returns
+their resources; every other request carries on.
 """
 import gc
 import logging
 import os
 import random
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from cache.kv_cache import KVBlockAllocator
-from cache.mamba_cache import MambaSlotAllocator
+from cache.mamba_cache import MambaStateAllocator
 from hybrid_engine.config import EngineConfig
 from hybrid_engine.cuda_graphs import DECODE_OPS, DecodeGraphs
 from hybrid_engine.detokenizer import IncrementalDetokenizer
@@ -34,9 +37,9 @@ from hybrid_engine.request import Request, RequestOutput, RequestStatus
 from hybrid_engine.runner import ModelRunner, StepHandle, StepSamples
 from hybrid_engine.sampling import derive_seed
 from hybrid_engine.sampling_params import SamplingParams
-from hybrid_engine.scheduler import Scheduler, SchedulerOutput
+from hybrid_engine.scheduler import RetiredStep, Scheduler, SchedulerOutput
 from hybrid_engine.tokenizer import build_byte_tokenizer, load_tokenizer
-from layers.kernels import select_backend
+from layers.kernels import select_ops
 
 logger = logging.getLogger(__name__)
 
@@ -66,32 +69,34 @@ class LLMEngine:
         self.config = cfg = config.resolve()
         self.device = torch.device(cfg.device)
         hf_config, path, self.tokenizer, self.model_name, weight_seed = _resolve_model(cfg)
-        self.kernels = select_backend(self.device)
-        self.model = load_model(hf_config, path, self.device, cfg.torch_dtype, cfg.load_format, weight_seed)
+        self.kernels = select_ops(self.device)
+        self.model = load_model(hf_config, path, self.device, cfg.torch_dtype, cfg.load_format, weight_seed,
+                                ops=self.kernels)
         mc = self.model_config = self.model.config
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
             else set()
         )
+        # Launch-ahead keeps the committed state while a row writes its successor (ping-pong).
         self.state_copies = 2 if cfg.async_scheduling else 1
         max_num_seqs, num_blocks = self._size_pools()
         self.kv = KVBlockAllocator(num_blocks, cfg.kv_block_size, len(mc.attention_layers), mc.num_kv_heads,
                                    mc.head_dim, cfg.torch_dtype, self.device)
-        self.mamba = MambaSlotAllocator(max_num_seqs, len(mc.mamba_layers), mc.mamba_conv_dim, mc.conv_kernel - 1,
-                                        mc.mamba_num_heads, mc.mamba_head_dim, mc.ssm_state_size, cfg.torch_dtype,
-                                        self.device, copies=self.state_copies)
+        self.mamba = MambaStateAllocator(max_num_seqs, len(mc.mamba_layers), mc.mamba_conv_dim, mc.conv_kernel - 1,
+                                         mc.mamba_num_heads, mc.mamba_head_dim, mc.ssm_state_size, cfg.torch_dtype,
+                                         self.device, copies_per_request=self.state_copies)
         self.scheduler = Scheduler(self.kv, self.mamba, cfg.max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv, self.mamba, cfg.max_num_batched_tokens, self.max_model_len,
                                   self.device)
         if cfg.cuda_graphs:
             self._capture_graphs(max_num_seqs)
-        self.requests: dict[str, Request] = {}
-        self._aborted: list[Request] = []
-        self._just_finished: list[Request] = []  # finished during the current step's bookkeeping
+        self.requests: dict[str, Request] = {}  # accepted requests whose final output is not out yet
+        self._aborted: list[Request] = []  # their final outputs go out with the next step's
         self._gc = StepGarbageCollector()
         self._seed_counter = 0
-        self._inflight: StepHandle | None = None
+        self._inflight: StepHandle | None = None  # launched, not yet retired (kept across step calls)
+        self._unretired: list[SchedulerOutput] = []  # scheduled steps whose rows have not retired
         self._rejector = random.Random(cfg.seed)  # inject_rejection_rate draws, deterministic
         self._counters = dict(steps=0, launch_ahead_steps=0, rejected_launches=0, state_restores=0,
                               prefill_tokens=0, decode_tokens=0)
@@ -131,9 +136,9 @@ class LLMEngine:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         budget = free - (1.0 - cfg.gpu_memory_utilization) * total
-        seq_bytes = MambaSlotAllocator.bytes_per_seq(len(mc.mamba_layers), mc.mamba_conv_dim, mc.conv_kernel - 1,
-                                                     mc.mamba_num_heads, mc.mamba_head_dim, mc.ssm_state_size,
-                                                     cfg.torch_dtype, copies=self.state_copies)
+        seq_bytes = MambaStateAllocator.bytes_per_seq(len(mc.mamba_layers), mc.mamba_conv_dim, mc.conv_kernel - 1,
+                                                      mc.mamba_num_heads, mc.mamba_head_dim, mc.ssm_state_size,
+                                                      cfg.torch_dtype, copies_per_request=self.state_copies)
         # Activations of the largest step plus sampling scratch: a generous estimate.
         width = max(mc.hidden_size * 4, mc.mamba_d_ssm * 2 + mc.mamba_conv_dim, mc.intermediate_size,
                     mc.moe_intermediate_size * max(mc.top_k, 1))
@@ -182,10 +187,29 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | dict | None = None) -> None:
         """Queue a request; invalid input raises ValueError naming the field and changes nothing."""
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError("request_id must be a non-empty string")
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.add_requests([(request_id, prompt, params)])
+
+    def add_requests(self, requests: Sequence[tuple[str, str | list[int], SamplingParams | dict | None]]) -> None:
+        """Queue several (request_id, prompt, params) requests all or nothing: every one is
+        validated first, and if any is invalid a ValueError names it and none is queued."""
+        new: list[Request] = []
+        seed_counter = self._seed_counter
+        for request_id, prompt, params in requests:
+            if not isinstance(request_id, str) or not request_id:
+                raise ValueError("request_id must be a non-empty string")
+            if request_id in self.requests or any(r.request_id == request_id for r in new):
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            request = self._make_request(request_id, prompt, params, derive_seed(self.config.seed, seed_counter))
+            seed_counter += request.params.seed is None
+            new.append(request)
+        self._seed_counter = seed_counter
+        for request in new:
+            self.requests[request.request_id] = request
+            self.scheduler.add(request)
+
+    def _make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | dict | None,
+                      derived_seed: int) -> Request:
+        """A validated request (nothing queued); `derived_seed` is its seed unless params set one."""
         if params is None:
             params = SamplingParams()
         elif isinstance(params, dict):
@@ -200,11 +224,6 @@ class LLMEngine:
         if self.kv.blocks_for(total) > self.kv.num_blocks:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs "
                              f"{self.kv.blocks_for(total)} KV blocks; the cache has {self.kv.num_blocks}")
-        if params.seed is not None:
-            seed = params.seed & ((1 << 63) - 1)
-        else:
-            seed = derive_seed(self.config.seed, self._seed_counter)
-            self._seed_counter += 1
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
@@ -212,185 +231,138 @@ class LLMEngine:
         elif params.stop:
             raise ValueError("stop: stop strings need a tokenizer; this model has none (use stop_token_ids)")
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
-        request = Request(request_id, text, ids, params, seed, eos, detok)
-        self.requests[request_id] = request
-        self.scheduler.add(request)
+        seed = derived_seed if params.seed is None else params.seed
+        return Request(request_id, text, ids, params, seed, eos, detok)
 
     def abort_request(self, request_id: str) -> None:
         """Finish a request with reason 'abort' (its final output comes from the next step)."""
         request = self.requests.get(request_id)
         if request is None or request.finished:
             return
-        self._finish(request, "abort")
+        self.scheduler.finish(request, "abort")
         self._aborted.append(request)
 
     def has_unfinished_requests(self) -> bool:
+        """Whether some accepted request has not had its final output yet."""
         return bool(self.requests)
 
     # ---- the step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one batched step; returns the outputs of the requests that advanced or ended."""
+        """Run one batched step; returns the outputs of the requests that advanced or ended.
+
+        If the step raises, the requests it touched end with finish_reason "error" (their
+        final outputs are returned here), their resources return to the pools, and the
+        engine keeps serving the others.
+        """
         self._gc.busy()
         try:
-            outputs = self._step()
+            try:
+                stepped = self._step()
+            except Exception as error:
+                stepped = self._fail_step(error)
         except BaseException:
             self._gc.idle()
             raise
+        outputs = [self._emit(r) for r in self._aborted] + stepped
+        self._aborted.clear()
         if not self.requests:
             self._gc.idle()
         return outputs
 
     def _step(self) -> list[RequestOutput]:
-        outputs = [self._emit(r) for r in self._aborted]
-        self._aborted.clear()
-        if self._inflight is None:
+        """schedule -> launch -> (launch ahead) -> retire."""
+        current = self._inflight
+        if current is None:
             sched = self.scheduler.schedule()
             if sched.is_empty:
-                return outputs
-            self._inflight = self._launch(sched, prev=None)
-        current, ahead = self._inflight, None
-        if self.config.async_scheduling:
-            # Nothing is evicted while a step is in flight: if no speculative work fits,
-            # the next call schedules from retired state (where eviction is allowed).
-            spec = self.scheduler.schedule(allow_evict=False)
-            if not spec.is_empty:
-                ahead = self._launch(spec, prev=current)
-                self._counters["launch_ahead_steps"] += 1
+                return []
+            current = self._inflight = self._launch(sched, prev=None)
+        ahead = self._launch_ahead(current) if self.config.async_scheduling else None
         self._gc.collect_in_slack()  # the device has `current` (and `ahead`) queued
-        self._just_finished.clear()
-        outputs.extend(self._retire(current, current.wait()))
-        self._inflight = self._reconcile(ahead) if ahead is not None else None
-        return outputs
+        retired = self._retire(current, current.wait())
+        self._inflight = self._reconcile(ahead, retired.finished) if ahead is not None else None
+        return [self._emit(r) for r in retired.advanced]
 
     def _launch(self, sched: SchedulerOutput, prev: StepHandle | None) -> StepHandle:
+        """Run a scheduled step on the device (samples come back asynchronously)."""
+        self._unretired.append(sched)
         plan = self.runner.prepare(sched, prev)
         self._counters["steps"] += 1
         self._counters["decode_tokens"] += len(sched.decodes)
         self._counters["prefill_tokens"] += sched.num_tokens - len(sched.decodes)
         return self.runner.launch(plan)
 
-    def _retire(self, handle: StepHandle, samples: StepSamples) -> list[RequestOutput]:
-        """Bookkeeping of a finished step: commit its valid rows, append and check samples.
+    def _launch_ahead(self, current: StepHandle) -> StepHandle | None:
+        """Schedule and launch step N+1 while step N (`current`) is in flight, as if every
+        running request continues; `_reconcile` later drops what N's bookkeeping refutes.
+        Nothing is evicted while a step is in flight: if no work fits, the next call
+        schedules from retired state (where eviction is allowed)."""
+        sched = self.scheduler.schedule(allow_evict=False)
+        if sched.is_empty:
+            return None
+        self._counters["launch_ahead_steps"] += 1
+        return self._launch(sched, prev=current)
 
-        Runs for every row every step, so the common case (a valid decode row) is kept
-        flat: no helper calls but the stop check and the output, unless the row is
-        dropped or has logprobs.
-        """
-        outputs = []
-        dropped = False
-        flip = self.state_copies == 2
-        finished, valid, tokens = RequestStatus.FINISHED, handle.valid, samples.token_ids
-        for i, chunk in enumerate(handle.plan.sched.chunks):
-            request = chunk.request
-            request.inflight -= 1
-            if not valid[i] or request.status is finished:
-                # Rejected by reconciliation, or aborted while in flight: the row's writes
-                # are dead; the request's resources were held for it until now.
-                dropped |= valid[i]
-                self._free_if_idle(request)
-                continue
-            request.num_computed = chunk.start + chunk.num_tokens
-            if flip:
-                request.state_parity ^= 1  # commit: the copy this row wrote is now current
-            if not chunk.samples:
-                continue
-            request.pending_samples -= 1
-            token = tokens[i]
-            request.output_token_ids.append(token)
-            request.pending_token_ids.append(token)
-            try:
-                if request.logprobs is not None:
-                    self._append_logprobs(request, samples.logprobs[i])
-                reason = self._check_stop(request, token)
-                if reason is not None:
-                    self._finish(request, reason)
-            except Exception as e:  # one request's failure (e.g. its detokenizer) ends only it
-                logger.exception("request %s failed while appending its token", request.request_id)
-                request.error = f"{type(e).__name__}: {e}"
-                self._finish(request, "error")
-            outputs.append(self._emit(request))
-        if dropped:
+    def _retire(self, handle: StepHandle, samples: StepSamples) -> RetiredStep:
+        """Hand a step's samples (`handle.wait()`) to the scheduler's bookkeeping."""
+        retired = self.scheduler.retire(handle.chunks, handle.valid, samples.token_ids, samples.logprobs)
+        self._unretired.remove(handle.sched)
+        if retired.num_dropped:
             self._counters["rejected_launches"] += 1
-        return outputs
+        return retired
 
-    @staticmethod
-    def _append_logprobs(request: Request, row: list[tuple[int, float]]) -> None:
-        entry: dict[int, float] = {}
-        for token_id, logprob in row[: 1 + request.params.logprobs]:
-            entry.setdefault(token_id, logprob)  # sampled token first, then the top-n
-        request.logprobs.append(entry)
-
-    def _reconcile(self, ahead: StepHandle) -> StepHandle | None:
+    def _reconcile(self, ahead: StepHandle, finished: list[Request]) -> StepHandle | None:
         """After step N's bookkeeping, keep what is still valid of the launched step N+1.
 
         Row by row:
-        - request finished at N (length, EOS, stop token, stop string) or aborted: the row
-          is dropped; its blocks and slot are freed when the row retires (`_retire`).
-        - request paused or evicted: cannot happen here -- pauses are decided by the
-          scheduler before a launch, and eviction never touches a request in flight.
+        - request finished at N (length, EOS, stop token, stop string, error): the row is
+          dropped; its blocks and state are released when the row retires.
+        - request aborted or paused or evicted: cannot have a row here -- aborts happen
+          between steps (an aborted request is never scheduled), pauses are decided before
+          a launch, and eviction never touches a request in flight.
         - new arrivals: admitted by the next `schedule`, never discarding these rows.
-        - injected rejection (`inject_rejection_rate`, a test knob): every row is rejected;
-          the launch cursors roll back and the Mamba state is restored by not flipping the
-          ping-pong parity (the committed copy was only read). The step is drained before
-          its rows' resources can be reused.
+        - injected rejection (`inject_rejection_rate`, a test knob): every row is rejected
+          (`Scheduler.reject` rolls its launch cursors back; the state copy it wrote is
+          never committed, so the committed state is restored exactly). The step is
+          drained before its rows' resources can be reused.
         """
         rate = self.config.inject_rejection_rate
-        reject_all = rate > 0 and self._rejector.random() < rate
         rejected = False
-        chunks = ahead.plan.sched.chunks
-        if reject_all:
+        chunks, valid = ahead.chunks, ahead.valid
+        if rate > 0 and self._rejector.random() < rate:
             for i, chunk in enumerate(chunks):
-                ahead.valid[i], rejected = False, True
+                valid[i], rejected = False, True
                 if not chunk.request.finished:
-                    self.scheduler.unschedule(chunk)
+                    self.scheduler.reject(chunk)
                     self._counters["state_restores"] += 1
         else:
-            # Only requests that finished during this bookkeeping can have a row to drop
-            # (aborts and earlier finishes were never scheduled into `ahead`).
-            for request in self._just_finished:
+            for request in finished:
                 row = request.launch_row
                 if row < len(chunks) and chunks[row].request is request:
-                    ahead.valid[row], rejected = False, True
+                    valid[row], rejected = False, True
         if rejected:
             self._counters["rejected_launches"] += 1
-        if not any(ahead.valid):
+        if not any(valid):
             self._retire(ahead, ahead.wait())
             return None
         return ahead
 
-    def _check_stop(self, request: Request, token: int) -> str | None:
-        """Append the token's text and decide whether the request is done."""
-        params = request.params
-        if request.detokenizer is not None:
-            request.pending_text += request.detokenizer.add_tokens([token])
-            if request.detokenizer.stop_reason is not None:
-                request.stop_reason = request.detokenizer.stop_reason
-                return "stop"
-        if params.stop_token_ids and token in params.stop_token_ids:
-            request.stop_reason = token
-            return "stop"
-        if token in request.eos_token_ids:
-            return "stop"
-        n_out = len(request.output_token_ids)
-        if n_out >= params.max_tokens or len(request.prompt_token_ids) + n_out >= self.max_model_len:
-            return "length"
-        return None
-
-    def _finish(self, request: Request, reason: str) -> None:
-        if reason != "error" and request.detokenizer is not None and request.detokenizer.stop_reason is None:
-            request.pending_text += request.detokenizer.flush()
-        request.finish_reason = reason
-        self._just_finished.append(request)
-        self.scheduler.remove(request)
-        request.status = RequestStatus.FINISHED
-        self._free_if_idle(request)
-
-    def _free_if_idle(self, request: Request) -> None:
-        """Free a finished request's blocks and slot once no launched row can touch them."""
-        if request.finished and request.inflight == 0:
-            self.scheduler.free(request)
+    def _fail_step(self, error: Exception) -> list[RequestOutput]:
+        """The step raised: end every request with a row in an unretired step (or a launch
+        under way) with reason "error", release their resources, and start afresh. An
+        error that touched no request (e.g. in scheduling) is the engine's own: re-raised."""
+        touched = [c.request for sched in self._unretired for c in sched.chunks]
+        touched += [r for r in self.scheduler.running if r.inflight]
+        if not touched:
+            raise error
+        logger.exception("engine step failed; ending the requests it touched")
+        failed = self.scheduler.fail(touched, f"engine step failed: {type(error).__name__}: {error}")
+        self._unretired.clear()
+        self._inflight = None
+        return [self._emit(r) for r in failed]
 
     def _emit(self, request: Request) -> RequestOutput:
+        """The request's output for the caller; a finished request leaves the engine."""
         if request.finished:
             self.requests.pop(request.request_id, None)
         return request.make_output()

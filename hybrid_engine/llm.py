@@ -34,7 +34,16 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in prompt order."""
+        """Generate for every prompt (text or token ids); outputs come back in prompt order.
+
+        Invalid input raises ValueError before anything is queued. `generate` steps the
+        engine until its prompts finish, so it needs the engine to itself: with requests
+        added through `llm.engine` still unfinished it raises RuntimeError (their outputs
+        would otherwise be consumed here).
+        """
+        if self.engine.has_unfinished_requests():
+            raise RuntimeError("generate() needs the engine to itself: requests added through llm.engine are "
+                               "unfinished; step the engine until has_unfinished_requests() is False first")
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -44,18 +53,10 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts")
-        ids = []
-        try:
-            for prompt, params in zip(prompts, params_list):
-                request_id = f"generate-{self._next_id}"
-                self._next_id += 1
-                self.engine.add_request(request_id, prompt, params)
-                ids.append(request_id)
-        except ValueError:
-            for request_id in ids:  # all or nothing: don't leave earlier prompts queued
-                self.engine.abort_request(request_id)
-            self.engine.step()  # collect the aborts so no output leaks into a later call
-            raise
+        ids = [f"generate-{self._next_id + i}" for i in range(len(prompts))]
+        # All or nothing: if any prompt is invalid, nothing is queued (and no step runs).
+        self.engine.add_requests(list(zip(ids, prompts, params_list)))
+        self._next_id += len(ids)
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
         start, generated = time.perf_counter(), 0

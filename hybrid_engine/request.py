@@ -2,12 +2,14 @@
 from dataclasses import dataclass, field
 from enum import Enum
 
+from cache.mamba_cache import RequestState
 from hybrid_engine.detokenizer import IncrementalDetokenizer
 from hybrid_engine.sampling_params import SamplingParams
 
 
 class RequestStatus(Enum):
-    """WAITING (queued or evicted) -> RUNNING <-> PAUSED -> FINISHED."""
+    """Where a request is in its life; `Scheduler` (hybrid_engine/scheduler.py) owns every
+    transition: WAITING (queued or evicted) -> RUNNING <-> PAUSED -> FINISHED."""
 
     WAITING = "waiting"
     RUNNING = "running"
@@ -65,7 +67,12 @@ class RequestOutput:
 
 @dataclass(eq=False, slots=True)  # identity semantics: requests live in queues and dicts
 class Request:
-    """Engine-side request: tokens, progress, and the resources it holds."""
+    """Engine-side request: tokens, progress, and the resources it holds.
+
+    The fields after `detokenizer` are lifecycle state: only the `Scheduler` writes them
+    (and `make_output`, which hands the streaming delta over); the runner and the engine
+    only read them.
+    """
 
     request_id: str
     prompt: str | None
@@ -86,25 +93,17 @@ class Request:
     inflight: int = 0
     launch_row: int = -1  # the request's row in the newest launched step
     blocks: list[int] = field(default_factory=list)
-    seq_slot: int = -1  # request slot in the Mamba pool (also its token-history row)
-    state_parity: int = 0  # which of the slot's state copies is committed (ping-pong)
+    state: RequestState | None = None  # Mamba state row and slots while admitted
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
     # Streaming deltas accumulated since the last output was emitted.
     pending_token_ids: list[int] = field(default_factory=list)
     pending_text: str = ""
-    sampling_row: tuple[float, ...] = field(init=False, default=())  # set in __post_init__
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
             self.logprobs = []
-        p = self.params
-        # The per-step sampling fields, computed once (the runner copies them every step).
-        # top_k >= vocab means "off"; the clamp keeps it exact in float32 and int32.
-        self.sampling_row = (p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
-                             p.frequency_penalty, float(min(p.top_k, 1 << 24)),
-                             float(-1 if p.logprobs is None else p.logprobs))
 
     @property
     def num_tokens(self) -> int:
@@ -112,12 +111,13 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
-    def spec_num_tokens(self) -> int:
+    def num_tokens_when_retired(self) -> int:
         """Tokens once every launched step retires (samples in flight counted)."""
         return self.num_tokens + self.pending_samples
 
     @property
     def finished(self) -> bool:
+        """Whether the request has its finish reason (its resources may still be in flight)."""
         return self.status is RequestStatus.FINISHED
 
     def make_output(self) -> RequestOutput:

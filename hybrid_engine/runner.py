@@ -4,6 +4,9 @@
 ONE copy; `launch` runs the forward and the sampler on the device and starts an
 asynchronous device-to-host copy of the samples guarded by an event; `StepHandle.wait`
 blocks on that event only. Serial mode calls the three back to back.
+
+The runner reads requests and never writes them: the scheduler has already launched the
+rows it is handed (cursors advanced), and retiring them is the scheduler's too.
 """
 import os
 from dataclasses import dataclass
@@ -11,12 +14,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cache.context import SEQ_I64, StepBuffer
 from cache.kv_cache import KVBlockAllocator
-from cache.mamba_cache import MambaSlotAllocator
+from cache.mamba_cache import MambaStateAllocator
+from cache.step_buffer import NEUTRAL_SAMPLING, SAMPLING, SEQ, TOKEN, SamplingRow, SeqFields, StepBuffer, TokenFields
 from hybrid_engine.models.base import HybridForCausalLM
 from hybrid_engine.request import Request
 from hybrid_engine.sampling import SamplingTensors, sample
+from hybrid_engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from hybrid_engine.scheduler import SchedulerOutput
 from layers.forward_meta import ForwardMeta
 
@@ -47,6 +51,15 @@ class StepPlan:
         return self.num_decode + self.num_prefill
 
 
+def sampling_row(params: SamplingParams) -> SamplingRow:
+    """The per-step sampling fields of a request, computed once when it takes its row.
+    top_k >= vocab means "off"; the clamp keeps it exact in float32 and int32."""
+    return SamplingRow(temperature=params.temperature, top_p=params.top_p, min_p=params.min_p,
+                       repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
+                       frequency_penalty=params.frequency_penalty, top_k=float(min(params.top_k, 1 << 24)),
+                       num_logprobs=float(-1 if params.logprobs is None else params.logprobs))
+
+
 @dataclass
 class StepSamples:
     """What came back from the device for one step, one entry per scheduled sequence."""
@@ -58,13 +71,15 @@ class StepSamples:
 class StepHandle:
     """A launched step whose samples are on their way to the host.
 
-    `valid[i]` is cleared when reconciliation rejects row i.
+    `valid[i]` is cleared when reconciliation rejects row i (`chunks[i]`).
     """
 
     def __init__(self, plan: StepPlan, host_out: torch.Tensor, event: torch.cuda.Event | None):
         self.plan = plan
+        self.sched = plan.sched
+        self.chunks = plan.sched.chunks  # the step's rows, in row order
         self._host_out, self._event = host_out, event
-        self.valid = [True] * len(plan.sched.chunks)  # real rows only: graph padding is not a row
+        self.valid = [True] * len(self.chunks)  # real rows only: graph padding is not a row
 
     def wait(self) -> StepSamples:
         """Block until the samples are on the host (the step's only host synchronization)."""
@@ -82,26 +97,27 @@ class StepHandle:
 class ModelRunner:
     """Owns the model, the cache pools' bindings and the step buffer."""
 
-    def __init__(self, model: HybridForCausalLM, kv: KVBlockAllocator, mamba: MambaSlotAllocator,
+    def __init__(self, model: HybridForCausalLM, kv: KVBlockAllocator, mamba: MambaStateAllocator,
                  max_num_batched_tokens: int, max_model_len: int, device: torch.device):
         self.model, self.kv, self.mamba, self.device = model, kv, mamba, device
         self.max_seqs = mamba.max_num_seqs
         self.max_blocks_per_seq = kv.blocks_for(max_model_len)
-        self.buffer = StepBuffer(max_num_batched_tokens, self.max_seqs, self.max_blocks_per_seq, device)
+        self.buffer = StepBuffer(max_num_batched_tokens, self.max_seqs, self.max_blocks_per_seq,
+                                 self.max_seqs * mamba.copies_per_request, device)
         for layer, (k, v) in zip(model.attention_layers(), kv.kv_caches):
             layer.kv_cache = (k, v)
         for i, mixer in enumerate(model.mamba_mixers()):
             mixer.conv_state, mixer.ssm_state = mamba.layer_views(i)
-        # Per request slot, written when a request takes the slot (or gets a new block) and
-        # gathered every step: the KV block table and the sampling row (temperature, top_p,
-        # min_p, repetition / presence / frequency penalty, top_k, logprobs or -1).
+        # Per request row (`RequestState.row`), written when a request takes the row (or gets
+        # a new block) and gathered every step: the KV block table and the `SamplingRow`.
         self._block_table = np.zeros((self.max_seqs, self.max_blocks_per_seq), dtype=np.int32)
         self._block_table_len = [0] * self.max_seqs
         self._block_table_owner: list[list[int] | None] = [None] * self.max_seqs
-        self._slot_owner: list[Request | None] = [None] * self.max_seqs
-        self._slot_sampling = np.zeros((self.max_seqs, 8), dtype=np.float32)
-        # Greedy, no filters, no penalties: what graph padding rows sample with.
-        self._neutral_sampling = np.array([0.0, 1.0, 0.0, 1.0, 0.0, 0.0], dtype=np.float32)[:, None]
+        self._row_owner: list[Request | None] = [None] * self.max_seqs
+        self._row_sampling = np.zeros((self.max_seqs, len(SamplingRow._fields)), dtype=np.float32)
+        # Graph padding rows sample greedily with no filters: the float32 group as a column.
+        self._neutral_sampling = np.array(NEUTRAL_SAMPLING[: len(self.buffer.host_group("sampling_f32"))],
+                                          dtype=np.float32)[:, None]
         # 0, 1, 2, ...: row indices and positions, sliced instead of built per step.
         self._rows = np.arange(max(self.max_seqs + 1, max_model_len), dtype=np.int64)
         # Token history per request slot, written on device from each step's inputs
@@ -114,8 +130,8 @@ class ModelRunner:
         pin = device.type == "cuda"
         # Flat buffers, viewed contiguously per step: a non_blocking copy into a strided
         # pinned slice is staged through a temporary and silently synchronizes.
-        self._host_out = [torch.zeros(self.max_seqs * (1 + 2 * 21), dtype=torch.float64, pin_memory=pin)
-                          for _ in range(2)]
+        self._host_out = [torch.zeros(self.max_seqs * (1 + 2 * (1 + MAX_LOGPROBS)), dtype=torch.float64,
+                                      pin_memory=pin) for _ in range(2)]
         self._launches = 0
         # The newest launched step's samples, row by row, at a fixed address: a launch-ahead
         # step gathers its decode inputs here (CUDA graphs need fixed input addresses).
@@ -126,34 +142,25 @@ class ModelRunner:
         self.check_steady_decode = os.environ.get(CHECK_FAST_PATHS_ENV) == "1"
 
     # ---- host side -------------------------------------------------------------------
-    def _claim_slot(self, request: Request) -> None:
-        """Record the sampling row of a request that newly holds its slot."""
-        slot = request.seq_slot
-        self._slot_owner[slot] = request
-        self._slot_sampling[slot] = request.sampling_row
+    def _claim_row(self, request: Request) -> None:
+        """Record the sampling row of a request that newly holds its row."""
+        row = request.state.row
+        self._row_owner[row] = request
+        self._row_sampling[row] = sampling_row(request.params)
 
     def _sync_block_table(self, request: Request) -> None:
-        """Copy the request's newly allocated block ids into its slot's host table row.
+        """Copy the request's newly allocated block ids into its host table row.
 
         The row is keyed by the request's block *list object*: freeing blocks (finish,
         eviction) gives the request a new list, so a readmitted request rewrites its row.
         """
-        slot = request.seq_slot
-        if self._block_table_owner[slot] is not request.blocks:
-            self._block_table_owner[slot], self._block_table_len[slot] = request.blocks, 0
-        known, blocks = self._block_table_len[slot], request.blocks
+        row = request.state.row
+        if self._block_table_owner[row] is not request.blocks:
+            self._block_table_owner[row], self._block_table_len[row] = request.blocks, 0
+        known, blocks = self._block_table_len[row], request.blocks
         if len(blocks) > known:
-            self._block_table[slot, known:len(blocks)] = blocks[known:]
-            self._block_table_len[slot] = len(blocks)
-
-    def _state_rows(self, request: Request) -> tuple[int, int]:
-        """(src, dst) Mamba state rows of the request's next launched row. In place with one
-        copy; under ping-pong it reads the copy its predecessor wrote (the committed one,
-        flipped once per launched row still in flight) and writes the other."""
-        if self.mamba.copies == 1:
-            return request.seq_slot, request.seq_slot
-        src = 2 * request.seq_slot + (request.state_parity ^ (request.inflight & 1))
-        return src, src ^ 1
+            self._block_table[row, known:len(blocks)] = blocks[known:]
+            self._block_table_len[row] = len(blocks)
 
     def prepare(self, sched: SchedulerOutput, prev: StepHandle | None = None) -> StepPlan:
         """Write the step into the host buffer and mirror it to the device (one copy).
@@ -181,52 +188,55 @@ class ModelRunner:
         decodes, prefills = sched.decodes, sched.prefills
         n_dec, n_seq = len(decodes), len(decodes) + len(prefills)
         h = self.buffer.host_np
-        owners, bt_owner, bt_len = self._slot_owner, self._block_table_owner, self._block_table_len
+        owners, bt_owner, bt_len = self._row_owner, self._block_table_owner, self._block_table_len
+        row_slots = self.mamba.row_slots
         bs = self.kv.block_size
-        per_seq: list[int] = []  # decode rows, SEQ_I64 order (see _write_decode_rows)
-        per_token: list[int] = []  # decode rows: input id, position, KV slot
+        seq_rows: list[SeqFields] = []
+        token_rows: list[TokenFields] = []
+        rows: list[int] = []  # each sequence's request row (block table, sampling, history)
         num_from_prev = 0
         for i, c in enumerate(decodes):
             # Runs for every decode row every step: kept flat on purpose (no helper calls
-            # unless the slot changed hands or the request got a new block).
+            # unless the row changed hands or the request got a new block).
             r = c.request
-            slot, blocks = r.seq_slot, r.blocks
-            if owners[slot] is not r:
-                self._claim_slot(r)
-            if bt_owner[slot] is not blocks or bt_len[slot] != len(blocks):
+            state, blocks = r.state, r.blocks
+            row = state.row
+            if owners[row] is not r:
+                self._claim_row(r)
+            if bt_owner[row] is not blocks or bt_len[row] != len(blocks):
                 self._sync_block_table(r)
             start, output = c.start, r.output_token_ids
             n_out = len(output)
             n_prompt = len(r.prompt_token_ids)
             # The input token sits at `start`: on the host once its sample retired, else
-            # on the device as the previous step's sample at row `launch_row`.
+            # on the device as the previous step's sample at the request's row in `prev`.
             if start >= n_prompt + n_out:
-                from_prev, token = r.launch_row, 0
+                from_prev, token = c.prev_row, 0
                 num_from_prev += 1
             else:
                 from_prev = -1
                 token = output[start - n_prompt] if start >= n_prompt else r.prompt_token_ids[start]
-            src, dst = self._state_rows(r)
-            per_seq += (src, dst, from_prev, i, r.seed, n_out + r.pending_samples - 1, slot, n_prompt, start + 1)
-            per_token += (token, start, blocks[start // bs] * bs + start % bs)
-            r.launch_row = i
-            r.inflight += 1
+            src, dst = row_slots(state, r.inflight - 1)  # this row is the newest in flight
+            seq_rows.append(SeqFields(mamba_src=src, mamba_dst=dst, input_from_prev=from_prev, logits_indices=i,
+                                      seeds=r.seed, output_pos=n_out + r.pending_samples - 1, history_rows=row,
+                                      prompt_lens=n_prompt, history_lens=start + 1))
+            token_rows.append(TokenFields(input_ids=token, positions=start,
+                                          slot_mapping=blocks[start // bs] * bs + start % bs))
+            rows.append(row)
         if num_from_prev and prev is None:
             raise RuntimeError("a decode input is still on the device but no previous step was given")
-        slots: list[int] = per_seq[6::9]
         if n_dec:
-            self._write_decode_rows(np.array(per_seq, dtype=np.int64).reshape(n_dec, len(SEQ_I64)),
-                                    np.array(per_token, dtype=np.int64).reshape(n_dec, 3))
+            self._write_decode_rows(np.array(seq_rows, dtype=np.int64), np.array(token_rows, dtype=np.int64))
         num_tokens, max_q = n_dec, 1
         if prefills:
-            num_tokens, max_q = self._write_prefill_rows(prefills, n_dec, slots)
+            num_tokens, max_q = self._write_prefill_rows(prefills, n_dec, rows)
         h["cu_seqlens_q"][: n_dec + 1] = self._rows[: n_dec + 1]
-        slots_np = np.array(slots, dtype=np.int64)
-        h["block_tables"][:n_seq] = self._block_table[slots_np]
+        rows_np = np.array(rows, dtype=np.int64)
+        h["block_tables"][:n_seq] = self._block_table[rows_np]
         new_slots = self.mamba.take_new_slots()
         if new_slots:
             h["new_state_slots"][: len(new_slots)] = new_slots
-        plan = self._write_sampling(sched, slots_np, n_dec, num_tokens, max_q)
+        plan = self._write_sampling(sched, rows_np, n_dec, num_tokens, max_q)
         plan.num_from_prev = num_from_prev
         plan.num_new_slots = len(new_slots)
         if not prefills:
@@ -241,8 +251,6 @@ class ModelRunner:
         """Debug check (HYBRID_ENGINE_CHECK_FAST_PATHS=1, set by the tests): rewrite the
         step through the general path and require the same host fields and plan."""
         fast = self.buffer.decode_rows_snapshot(plan.num_decode)
-        for r in plan.decode_requests:
-            r.inflight -= 1  # undo: the general path counts the launch again
         general = self._write_step(plan.sched, prev)
         same_fields = all(np.array_equal(a, b) for a, b in zip(fast, self.buffer.decode_rows_snapshot(plan.num_decode)))
         if not same_fields or general != plan:
@@ -254,20 +262,21 @@ class ModelRunner:
 
         Applies when this step's rows are exactly `prev`'s rows (same requests, same order,
         decode only, under launch-ahead) and no row enters a new KV block. Each row then
-        reads the state copy `prev` writes and writes the one it reads, is one position
-        further (KV slot + 1 in the same block), one output further, and takes its input
-        from `prev`'s sample at the same row; everything else (sampling, block tables,
-        graph padding) is unchanged. So the host buffer is `prev`'s, copied, plus those
-        deltas. Returns None (having changed nothing) when the step does not qualify.
+        reads the state `prev` writes and writes the one the state allocator hands on
+        (`following_slots`), is one position further (KV slot + 1 in the same block), one
+        output further, and takes its input from `prev`'s sample at the same row; everything
+        else (sampling, block tables, graph padding) is unchanged. So the host buffer is
+        `prev`'s, copied, plus those deltas. Returns None (having changed nothing) when the
+        step does not qualify.
         """
         pp, n = prev.plan, len(sched.decodes)
-        if (pp.decode_requests is None or len(pp.decode_requests) != n or self.mamba.copies != 2
+        if (pp.decode_requests is None or len(pp.decode_requests) != n
                 or pp.host_index != self.buffer.current_index ^ 1 or self.mamba.has_new_slots()):
             return None
         requests = [c.request for c in sched.decodes]
         if requests != pp.decode_requests:  # identity comparison (Request has eq=False)
             return None
-        positions = self.buffer.host_group("token_i64", pp.host_index)[1, :n] + 1
+        positions = self.buffer.host_group("token_i64", pp.host_index)[TOKEN.positions, :n] + 1
         if (positions % self.kv.block_size == 0).any():
             return None
         size = n
@@ -275,16 +284,14 @@ class ModelRunner:
             size = self.graphs.padded_size(n, 0, pp.use_penalties, pp.num_logprobs) or n
         self.buffer.copy_rows_from(pp.host_index, size)  # graph padding rows included
         tokens, seqs = self.buffer.host_group("token_i64"), self.buffer.host_group("seq_i64")
-        tokens[0, :n] = 0  # every input comes from `prev` (the device fills it in)
-        tokens[1, :n] = positions
-        tokens[2, :n] += 1
-        seqs[[0, 1], :n] = seqs[[1, 0], :n]  # ping-pong: src <-> dst
-        seqs[2, :n] = self._rows[:n]  # input_from_prev: the same row of `prev`
-        seqs[5, :n] += 1  # output_pos
-        seqs[8, :n] += 1  # history_lens
+        tokens[TOKEN.input_ids, :n] = 0  # every input comes from `prev` (the device fills it in)
+        tokens[TOKEN.positions, :n] = positions
+        tokens[TOKEN.slot_mapping, :n] += 1
+        seqs[SEQ.mamba_src, :n], seqs[SEQ.mamba_dst, :n] = self.mamba.following_slots(seqs[SEQ.mamba_dst, :n].copy())
+        seqs[SEQ.input_from_prev, :n] = self._rows[:n]  # the same row of `prev`
+        seqs[SEQ.output_pos, :n] += 1
+        seqs[SEQ.history_lens, :n] += 1
         self.buffer.host_np["seq_lens"][:n] += 1
-        for r in requests:
-            r.inflight += 1  # (launch_row is already this row)
         plan = StepPlan(sched=sched, num_decode=n, num_prefill=0, num_tokens=n, max_seqlen_q=1,
                         num_logprobs=pp.num_logprobs, all_greedy=pp.all_greedy, use_penalties=pp.use_penalties,
                         num_from_prev=n, decode_requests=requests)
@@ -292,57 +299,54 @@ class ModelRunner:
             self._pad_plan(plan, size)
         return plan
 
-    def _write_decode_rows(self, per_seq: np.ndarray, per_token: np.ndarray) -> None:
-        """Fields of decode rows [0, n) from their per-row values ([n, 9] and [n, 3])."""
-        n = len(per_seq)
+    def _write_decode_rows(self, seq_rows: np.ndarray, token_rows: np.ndarray) -> None:
+        """Fields of decode rows [0, n) from their per-row values ([n, SeqFields] and
+        [n, TokenFields] arrays)."""
+        n = len(seq_rows)
         h = self.buffer.host_np
-        # SEQ_I64 order: mamba_src, mamba_dst, input_from_prev, logits_indices, seeds,
-        # output_pos, history_rows, prompt_lens, history_lens.
-        self.buffer.host_group("seq_i64")[:, :n] = per_seq.T
-        self.buffer.host_group("token_i64")[:, :n] = per_token.T
-        h["seq_lens"][:n] = per_seq[:, 8]
+        self.buffer.host_group("seq_i64")[:, :n] = seq_rows.T
+        self.buffer.host_group("token_i64")[:, :n] = token_rows.T
+        h["seq_lens"][:n] = seq_rows[:, SEQ.history_lens]
         h["prompt_token_mask"][:n] = False
         h["prefill_cu_seqlens"][0] = 0
 
-    def _write_prefill_rows(self, prefills: list, n_dec: int, slots: list[int]) -> tuple[int, int]:
-        """Fields of the prefill chunks (rows after the decode rows); appends their slots.
-        Per-token fields are written chunk by chunk with NumPy slices. Returns
-        (num_tokens, longest chunk)."""
+    def _write_prefill_rows(self, prefills: list, n_dec: int, rows: list[int]) -> tuple[int, int]:
+        """Fields of the prefill chunks (rows after the decode rows); appends their request
+        rows to `rows`. Per-token fields are written chunk by chunk with NumPy slices.
+        Returns (num_tokens, longest chunk)."""
         h = self.buffer.host_np
         tokens, seqs = self.buffer.host_group("token_i64"), self.buffer.host_group("seq_i64")
         prompt_mask = h["prompt_token_mask"]
         bs = self.kv.block_size
-        per_seq: list[int] = []
+        seq_rows: list[SeqFields] = []
         cu = [n_dec]
-        for j, c in enumerate(prefills):
+        for c in prefills:
             r = c.request
-            slot = r.seq_slot
-            if self._slot_owner[slot] is not r:
-                self._claim_slot(r)
+            row = r.state.row
+            if self._row_owner[row] is not r:
+                self._claim_row(r)
             self._sync_block_table(r)
             start, end = c.start, c.start + c.num_tokens
             t0, t1 = cu[-1], cu[-1] + c.num_tokens
             prompt, output = r.prompt_token_ids, r.output_token_ids
             n_prompt = len(prompt)
             in_prompt = max(0, min(end, n_prompt) - start)
-            tokens[0, t0:t0 + in_prompt] = prompt[start:start + in_prompt]
-            tokens[0, t0 + in_prompt:t1] = output[max(start - n_prompt, 0): max(end - n_prompt, 0)]
+            tokens[TOKEN.input_ids, t0:t0 + in_prompt] = prompt[start:start + in_prompt]
+            tokens[TOKEN.input_ids, t0 + in_prompt:t1] = output[max(start - n_prompt, 0): max(end - n_prompt, 0)]
             positions = self._rows[start:end]  # (end <= max_model_len <= len(_rows))
-            tokens[1, t0:t1] = positions
-            tokens[2, t0:t1] = self._block_table[slot, positions // bs] * bs + positions % bs
+            tokens[TOKEN.positions, t0:t1] = positions
+            tokens[TOKEN.slot_mapping, t0:t1] = self._block_table[row, positions // bs] * bs + positions % bs
             prompt_mask[t0:t0 + in_prompt] = True
             prompt_mask[t0 + in_prompt:t1] = False
             cu.append(t1)
-            src, dst = self._state_rows(r)
-            # SEQ_I64 order (see _write_decode_rows).
-            per_seq += (src, dst, -1, t1 - 1, r.seed,
-                        len(output) + r.pending_samples - c.samples, slot, n_prompt, end)
-            slots.append(slot)
-            r.launch_row = n_dec + j
-            r.inflight += 1
+            src, dst = self.mamba.row_slots(r.state, r.inflight - 1)
+            seq_rows.append(SeqFields(mamba_src=src, mamba_dst=dst, input_from_prev=-1, logits_indices=t1 - 1,
+                                      seeds=r.seed, output_pos=len(output) + r.pending_samples - c.samples,
+                                      history_rows=row, prompt_lens=n_prompt, history_lens=end))
+            rows.append(row)
         n_seq = n_dec + len(prefills)
-        seqs[:, n_dec:n_seq] = np.array(per_seq, dtype=np.int64).reshape(len(prefills), len(SEQ_I64)).T
-        h["seq_lens"][n_dec:n_seq] = seqs[8, n_dec:n_seq]
+        seqs[:, n_dec:n_seq] = np.array(seq_rows, dtype=np.int64).T
+        h["seq_lens"][n_dec:n_seq] = seqs[SEQ.history_lens, n_dec:n_seq]
         cu_np = np.array(cu, dtype=np.int32)
         h["cu_seqlens_q"][n_dec:n_seq + 1] = cu_np
         h["prefill_cu_seqlens"][: len(prefills) + 1] = cu_np - n_dec
@@ -353,18 +357,21 @@ class ModelRunner:
         h, lo = self.buffer.host_np, plan.num_seqs
         if size > lo:
             tokens = self.buffer.host_group("token_i64")
-            tokens[:2, lo:size] = 0  # input_ids, positions
-            tokens[2, lo:size] = -1  # slot_mapping: write no KV
+            tokens[TOKEN.input_ids, lo:size] = 0
+            tokens[TOKEN.positions, lo:size] = 0
+            tokens[TOKEN.slot_mapping, lo:size] = -1  # write no KV
             seq = self.buffer.host_group("seq_i64")
-            seq[:3, lo:size] = -1  # mamba_src, mamba_dst, input_from_prev: no state, host ids
-            seq[3, lo:size] = self._rows[lo:size]  # logits_indices
-            seq[4:, lo:size] = 0  # seeds, output_pos, history rows / lens, prompt_lens
+            seq[:, lo:size] = 0  # seeds, output_pos, history rows / lens, prompt_lens
+            seq[SEQ.mamba_src, lo:size] = -1  # no state
+            seq[SEQ.mamba_dst, lo:size] = -1
+            seq[SEQ.input_from_prev, lo:size] = -1  # keep the host ids
+            seq[SEQ.logits_indices, lo:size] = self._rows[lo:size]
             self.buffer.host_group("sampling_f32")[:, lo:size] = self._neutral_sampling
             h["prompt_token_mask"][lo:size] = False
             h["cu_seqlens_q"][lo + 1:size + 1] = self._rows[lo + 1:size + 1]
             h["seq_lens"][lo:size] = 0
             h["block_tables"][lo:size] = 0
-            h["top_k"][lo:size] = 0
+            h["top_k"][lo:size] = NEUTRAL_SAMPLING.top_k
         h["prefill_cu_seqlens"][0] = 0
         self._pad_plan(plan, size)
 
@@ -382,18 +389,20 @@ class ModelRunner:
         self.buffer.sync()
         return plan
 
-    def _write_sampling(self, sched: SchedulerOutput, slots: np.ndarray, n_dec: int, n_tokens: int,
+    def _write_sampling(self, sched: SchedulerOutput, rows: np.ndarray, n_dec: int, n_tokens: int,
                         max_q: int) -> StepPlan:
-        """Sampling fields gathered from the slot table; the step's sampler flags from them."""
-        n = len(slots)
-        sampling = self._slot_sampling[slots].T  # temperature, top_p, min_p, penalties x3, top_k, logprobs
-        self.buffer.host_group("sampling_f32")[:, :n] = sampling[:6]
-        self.buffer.host_np["top_k"][:n] = sampling[6]  # top_k (< 2**24 after clamping) is exact in float32
-        penalties = (sampling[3] != 1.0) | (sampling[4] != 0.0) | (sampling[5] != 0.0)
+        """Sampling fields gathered from the row table; the step's sampler flags from them."""
+        n = len(rows)
+        sampling = self._row_sampling[rows].T  # [SamplingRow fields, n]
+        group = self.buffer.host_group("sampling_f32")
+        group[:, :n] = sampling[: len(group)]  # the float32 group leads SamplingRow
+        self.buffer.host_np["top_k"][:n] = sampling[SAMPLING.top_k]  # (< 2**24 after clamping: exact in float32)
+        penalties = ((sampling[SAMPLING.repetition_penalty] != 1.0) | (sampling[SAMPLING.presence_penalty] != 0.0)
+                     | (sampling[SAMPLING.frequency_penalty] != 0.0))
         return StepPlan(
             sched=sched, num_decode=n_dec, num_prefill=n - n_dec, num_tokens=n_tokens, max_seqlen_q=max_q,
-            num_logprobs=int(sampling[7].max()), all_greedy=not sampling[0].any(),
-            use_penalties=bool(penalties.any()), num_from_prev=0,
+            num_logprobs=int(sampling[SAMPLING.num_logprobs].max()),
+            all_greedy=not sampling[SAMPLING.temperature].any(), use_penalties=bool(penalties.any()), num_from_prev=0,
         )
 
     # ---- device side -----------------------------------------------------------------

@@ -1,45 +1,68 @@
-"""Which requests run this step, and with how many tokens.
+"""Which requests run each step, and the one owner of every request's lifecycle.
 
-Policy, in order (each step):
+Every status change and every cursor of a `Request` is written here and nowhere else:
+
+| state          | event                                   | next             | effect                               |
+|----------------|-----------------------------------------|------------------|--------------------------------------|
+| (new)          | `add`                                   | WAITING          | queued, FCFS                         |
+| WAITING        | `schedule`: admitted                    | RUNNING          | takes a Mamba state, KV blocks       |
+| RUNNING        | `schedule`: row launched                | RUNNING          | launch cursors advance               |
+| RUNNING        | `schedule`: next KV block not free      | PAUSED           | keeps its blocks and state           |
+| PAUSED         | `schedule`: the block is free           | RUNNING          | row launched                         |
+| RUNNING/PAUSED | `schedule`: nothing fits (evict)        | WAITING          | frees all; recomputes prompt+output  |
+| RUNNING        | `retire` a valid row                    | RUNNING/FINISHED | state committed, sample appended,    |
+|                |                                         |                  | stop / EOS / length checked          |
+| RUNNING        | `reject` a launch-ahead row             | RUNNING          | launch cursors roll back             |
+| any but FINISHED | `finish` (abort)                      | FINISHED         | text flushed                         |
+| any but FINISHED | `fail` (the step touching it raised)  | FINISHED         | reason "error" + message             |
+| FINISHED       | its last in-flight row retires (or fails) | (released)     | blocks and state back to the pools   |
+
+Scheduling policy, in order (each step):
 1. Paused requests resume, oldest first, when the KV block they wait for is free.
 2. Running requests in admission order: decoders take one token (a decoder that needs
-   a new KV block and finds none is PAUSED: it keeps its blocks and Mamba slot);
-   requests mid-prompt take the next chunk that the token budget and free blocks allow.
-3. Waiting requests are admitted FCFS while a Mamba slot, token budget and KV blocks for
+   a new KV block and finds none is PAUSED); requests mid-prompt take the next chunk that
+   the token budget and free blocks allow.
+3. Waiting requests are admitted FCFS while a Mamba state, token budget and KV blocks for
    their first chunk are free -- but never while a request is paused (it has priority).
 4. If nothing at all could be scheduled (and no step is in flight), the newest paused or
-   stalled request is EVICTED:
-   its blocks and slot are freed and it goes back to the front of the queue, to be
-   recomputed (prompt + tokens generated so far) when readmitted. Repeat until the step
-   has work. A lone request always fits: `LLMEngine.add_request` rejects any request
-   whose prompt + max_tokens cannot fit in the whole pool.
+   stalled request is EVICTED: its blocks and state are freed and it goes back to the
+   front of the queue, to be recomputed (prompt + tokens generated so far) when
+   readmitted. Repeat until the step has work. A lone request always fits:
+   `LLMEngine.add_request` rejects any request whose prompt + max_tokens cannot fit.
 
-Launch-ahead: the scheduler plans from each request's *launched* cursor (`num_scheduled`,
-`spec_num_tokens`), i.e. as if every in-flight step's rows continue. A request whose
+Launch-ahead: scheduling a chunk *is* launching it (the engine launches every scheduled
+step). The scheduler plans from each request's launched cursors (`num_scheduled`,
+`num_tokens_when_retired`), i.e. as if every in-flight row continues. A request whose
 in-flight sample will surely end it (max_tokens / context reached) is not planned again.
-Pauses are decided here, before a launch, so no launched row belongs to a paused
-request; eviction never touches a request with rows in flight.
+Pauses are decided here, before a launch, so no launched row belongs to a paused request;
+eviction never touches a request with rows in flight.
 """
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from cache.kv_cache import KVBlockAllocator
-from cache.mamba_cache import MambaSlotAllocator
+from cache.mamba_cache import MambaStateAllocator
 from hybrid_engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class ScheduledChunk:
     """`num_tokens` tokens of `request` starting at position `start`; `samples`: the chunk
-    reaches the request's last token, so its last logits draw the next token."""
+    reaches the request's last token, so its last logits draw the next token. `prev_row`:
+    the request's row in the step launched before this one (-1: none), where a decode
+    input still in flight is sampled."""
 
     request: Request
     start: int
     num_tokens: int
     samples: bool
+    prev_row: int = -1
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: the engine tracks unretired steps by object
 class SchedulerOutput:
     """The step's batch: decode rows first (one token each), then prefill chunks."""
 
@@ -48,6 +71,7 @@ class SchedulerOutput:
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
+        """Every row in step order."""
         return self.decodes + self.prefills
 
     @property
@@ -59,10 +83,22 @@ class SchedulerOutput:
         return not self.decodes and not self.prefills
 
 
-class Scheduler:
-    """Owns the request queues and hands out KV blocks and Mamba slots."""
+@dataclass
+class RetiredStep:
+    """What retiring a step changed: requests with a new token or a finish (their outputs
+    are due), requests that finished, and rows dropped although launch-ahead kept them
+    (their request was aborted while the row was in flight)."""
 
-    def __init__(self, kv: KVBlockAllocator, mamba: MambaSlotAllocator, max_num_batched_tokens: int,
+    advanced: list[Request] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)
+    num_dropped: int = 0
+
+
+class Scheduler:
+    """Owns the request queues, every request transition, and hands out KV blocks and
+    Mamba states."""
+
+    def __init__(self, kv: KVBlockAllocator, mamba: MambaStateAllocator, max_num_batched_tokens: int,
                  max_model_len: int):
         self.kv, self.mamba = kv, mamba
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -72,51 +108,30 @@ class Scheduler:
         self.num_pauses = 0
         self.num_evictions = 0
 
-    # ---- queue management -------------------------------------------------------------
-    def add(self, request: Request) -> None:
-        self.waiting.append(request)
-
     @property
     def paused(self) -> list[Request]:
         return [r for r in self.running if r.status is RequestStatus.PAUSED]
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+    def add(self, request: Request) -> None:
+        """A new request joins the back of the queue."""
+        self.waiting.append(request)
 
-    def remove(self, request: Request) -> None:
-        """Drop a request from the queues (it keeps its resources until `free`)."""
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
-
-    def free(self, request: Request) -> None:
-        """Return a request's blocks and Mamba slot to the pools."""
-        if request.blocks:
-            self.kv.free(request.blocks)
-            request.blocks = []
-        if request.seq_slot >= 0:
-            self.mamba.free(request.seq_slot)
-            request.seq_slot = -1
-
-    # ---- the step ---------------------------------------------------------------------
+    # ---- schedule (admit, launch, pause, evict) ------------------------------------------
     def schedule(self, allow_evict: bool = True) -> SchedulerOutput:
-        """Pick this step's batch (see the module docstring) and advance the launch cursors."""
+        """Pick this step's batch (see the module docstring) and launch its rows."""
         while True:
             out = self._try_schedule()
             if not out.is_empty or not self.running or not allow_evict:
                 break
             self._evict(next(r for r in reversed(self.running) if r.inflight == 0))
-        for chunk in out.prefills:  # (decode rows advanced their cursors in _try_schedule)
+        num_decode = len(out.decodes)
+        for j, chunk in enumerate(out.prefills):  # (decode rows launched in _try_schedule)
             request = chunk.request
             request.num_scheduled += chunk.num_tokens
             request.pending_samples += chunk.samples
+            request.inflight += 1
+            request.launch_row = num_decode + j
         return out
-
-    def unschedule(self, chunk: ScheduledChunk) -> None:
-        """Roll a rejected launch's cursors back (its effects on state are discarded)."""
-        chunk.request.num_scheduled = chunk.start
-        chunk.request.pending_samples -= chunk.samples
 
     def _try_schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -142,9 +157,11 @@ class Scheduler:
                         self.num_pauses += 1
                     continue
                 request.status = running
-                decodes.append(ScheduledChunk(request, scheduled, 1, True))
+                decodes.append(ScheduledChunk(request, scheduled, 1, True, request.launch_row))
+                request.launch_row = len(decodes) - 1
                 request.num_scheduled = scheduled + 1
                 request.pending_samples += 1
+                request.inflight += 1
                 budget -= 1
             else:
                 chunk = self._prefill_chunk(request, budget)
@@ -157,7 +174,7 @@ class Scheduler:
             if chunk is None:
                 break  # FCFS: the head waits for blocks; nobody overtakes it
             self.waiting.popleft()
-            request.seq_slot = self.mamba.allocate()
+            request.state = self.mamba.allocate()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.prefills.append(chunk)
@@ -166,7 +183,7 @@ class Scheduler:
 
     def _prefill_chunk(self, request: Request, budget: int) -> ScheduledChunk | None:
         """The next prefill chunk that fits the budget and the KV pool (blocks reserved)."""
-        start, end = request.num_scheduled, request.spec_num_tokens
+        start, end = request.num_scheduled, request.num_tokens_when_retired
         held = len(request.blocks) * self.kv.block_size - start
         fits = held + self.kv.num_free * self.kv.block_size
         n = min(end - start, budget, fits)
@@ -187,10 +204,124 @@ class Scheduler:
 
     def _evict(self, request: Request) -> None:
         """Free everything the request holds and requeue it at the front for recompute."""
-        self.remove(request)
-        self.free(request)
+        self.running.remove(request)
+        self._release(request)
         request.num_computed = request.num_scheduled = 0
-        request.state_parity = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
         self.num_evictions += 1
+
+    # ---- retire / reject ---------------------------------------------------------------
+    def reject(self, chunk: ScheduledChunk) -> None:
+        """A launched row is rejected: roll its launch cursors back. Its state write is never
+        committed and its KV writes lie past the committed length, so nothing else changes;
+        `retire` later sees the row as invalid."""
+        chunk.request.num_scheduled = chunk.start
+        chunk.request.pending_samples -= chunk.samples
+
+    def retire(self, chunks: list[ScheduledChunk], valid: list[bool], token_ids: list[int],
+               logprobs: list[list[tuple[int, float]]] | None) -> RetiredStep:
+        """A launched step's samples are on the host: commit its valid rows, append their
+        tokens, check stops, and release what finished requests hold.
+
+        Runs for every row every step, so the common case (a valid decode row) is kept
+        flat: no helper calls but the stop check, unless the row is dropped or has logprobs.
+        """
+        result = RetiredStep()
+        finished, mamba = RequestStatus.FINISHED, self.mamba
+        for i, chunk in enumerate(chunks):
+            request = chunk.request
+            request.inflight -= 1
+            if not valid[i] or request.status is finished:
+                # Rejected, or aborted while in flight: the row's writes are dead; the
+                # request's resources were held for it until now.
+                result.num_dropped += valid[i]
+                self._release_if_idle(request)
+                continue
+            request.num_computed = chunk.start + chunk.num_tokens
+            mamba.commit(request.state)
+            if not chunk.samples:
+                continue
+            request.pending_samples -= 1
+            token = token_ids[i]
+            request.output_token_ids.append(token)
+            request.pending_token_ids.append(token)
+            try:
+                if request.logprobs is not None:
+                    self._append_logprobs(request, logprobs[i])
+                reason = self._stop_reason(request, token)
+                if reason is not None:
+                    self.finish(request, reason)
+                    result.finished.append(request)
+            except Exception as e:  # one request's failure (e.g. its detokenizer) ends only it
+                logger.exception("request %s failed while appending its token", request.request_id)
+                self.finish(request, "error", f"{type(e).__name__}: {e}")
+                result.finished.append(request)
+            result.advanced.append(request)
+        return result
+
+    @staticmethod
+    def _append_logprobs(request: Request, row: list[tuple[int, float]]) -> None:
+        entry: dict[int, float] = {}
+        for token_id, logprob in row[: 1 + request.params.logprobs]:
+            entry.setdefault(token_id, logprob)  # sampled token first, then the top-n
+        request.logprobs.append(entry)
+
+    def _stop_reason(self, request: Request, token: int) -> str | None:
+        """Append the token's text and decide whether the request is done."""
+        params = request.params
+        if request.detokenizer is not None:
+            request.pending_text += request.detokenizer.add_tokens([token])
+            if request.detokenizer.stop_reason is not None:
+                request.stop_reason = request.detokenizer.stop_reason
+                return "stop"
+        if params.stop_token_ids and token in params.stop_token_ids:
+            request.stop_reason = token
+            return "stop"
+        if token in request.eos_token_ids:
+            return "stop"
+        n_out = len(request.output_token_ids)
+        if n_out >= params.max_tokens or len(request.prompt_token_ids) + n_out >= self.max_model_len:
+            return "length"
+        return None
+
+    # ---- finish / fail -----------------------------------------------------------------
+    def finish(self, request: Request, reason: str, error: str | None = None) -> None:
+        """End a request (`stop`, `length`, `abort`, or `error` with its message). Its
+        resources return to the pools once no launched row can touch them."""
+        if reason != "error" and request.detokenizer is not None and request.detokenizer.stop_reason is None:
+            request.pending_text += request.detokenizer.flush()
+        request.finish_reason, request.error = reason, error
+        if request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        else:
+            self.running.remove(request)
+        request.status = RequestStatus.FINISHED
+        self._release_if_idle(request)
+
+    def fail(self, requests: list[Request], error: str) -> list[Request]:
+        """A step raised: end every live request it touched with reason "error", and
+        release all of them (a failed step's rows never retire). Returns the requests that
+        this call finished."""
+        failed = []
+        for request in dict.fromkeys(requests):  # a request can have a row in two steps
+            if not request.finished:
+                self.finish(request, "error", error)
+                failed.append(request)
+            request.inflight = 0
+            self._release_if_idle(request)
+        return failed
+
+    def _release_if_idle(self, request: Request) -> None:
+        """Free a finished request's blocks and state once no launched row can touch them."""
+        if request.finished and request.inflight == 0:
+            self._release(request)
+
+    def _release(self, request: Request) -> None:
+        """Return a request's blocks and Mamba state to the pools."""
+        if request.blocks:
+            self.kv.free(request.blocks)
+            request.blocks = []  # a new list: the runner's block-table cache keys on it
+        if request.state is not None:
+            self.mamba.free(request.state)
+            request.state = None

@@ -1,6 +1,7 @@
-"""KVBlockAllocator: exact free counts, O(1) allocate/free, exhaustion, storage layout."""
-import time
+"""KVBlockAllocator: exact free counts, exhaustion, reuse order, storage layout.
 
+(That allocate/free cost does not grow with the pool is measured by
+`scripts/bench_host_ops.py`, not asserted here: timing belongs in benchmarks.)"""
 import pytest
 import torch
 
@@ -72,21 +73,3 @@ def test_storage_shapes_and_bytes(dtype):
         assert k.data_ptr() != v.data_ptr()
     assert total == 6 * KVBlockAllocator.bytes_per_block(4, 3, 2, 8, dtype)
 
-
-def _time_churn(kv, rounds=20000):
-    start = time.perf_counter()
-    for _ in range(rounds):
-        kv.free(kv.allocate(2))
-    return time.perf_counter() - start
-
-
-def test_allocate_free_cost_independent_of_pool_size():
-    """O(1): churning 2 blocks costs the same in a pool of 100 and of 1,000,000 blocks
-    (a scan of the free list would be ~10^4 times slower in the big pool)."""
-    small = KVBlockAllocator(100, 16, 0, 1, 1, torch.float32, torch.device("cpu"))
-    big = KVBlockAllocator(1_000_000, 16, 0, 1, 1, torch.float32, torch.device("cpu"))
-    big.allocate(500_000)  # a half-full pool
-    t_small = min(_time_churn(small) for _ in range(3))
-    t_big = min(_time_churn(big) for _ in range(3))
-    assert t_big < 5 * t_small + 0.05, (t_small, t_big)
-    assert big.num_free == 500_000 and small.num_free == 100

@@ -18,7 +18,8 @@ each, tokens [0, num_decode)); prefill chunks follow, packed, in tokens
 | input_from_prev     | int64   | [S]        | decode row's input = previous step's sample at  |
 |                     |         |            | this row (launch-ahead), -1 = input_ids holds it |
 | logits_indices      | int64   | [S]        | token whose hidden state is sampled             |
-| new_state_slots     | int64   | [2S]       | Mamba state slots to zero before the forward    |
+| new_state_slots     | int64   | [N]        | Mamba state slots to zero before the forward    |
+|                     |         |            | (N: every slot of the state pool)               |
 | seeds, output_pos   | int64   | [S]        | sampling noise key (seed, output index)         |
 | history_rows        | int64   | [S]        | row of the token-history table (penalties)      |
 | prompt_lens, history_lens | int64 | [S]    | prompt length / tokens known (penalties)        |
@@ -31,6 +32,7 @@ each, tokens [0, num_decode)); prefill chunks follow, packed, in tokens
 | prompt_token_mask   | bool    | [T]        | token belongs to the prompt (Mamba dt limit)    |
 """
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -43,21 +45,66 @@ class _Field:
     shape: tuple[int, ...]
 
 
-# Groups of consecutive same-dtype, same-length fields: the bookkeeping writes each group
-# with one strided copy through a 2-D view (`StepBuffer.host_group`), not field by field.
-TOKEN_I64 = ("input_ids", "positions", "slot_mapping")
-SEQ_I64 = ("mamba_src", "mamba_dst", "input_from_prev", "logits_indices", "seeds", "output_pos", "history_rows",
-           "prompt_lens", "history_lens")
-SAMPLING_F32 = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+# Field groups: consecutive same-dtype, same-length fields that the bookkeeping writes with
+# one strided copy through a 2-D view (`StepBuffer.host_group`), not field by field. Each
+# group is a NamedTuple type: its field order IS the layout, a row of values is built by
+# name (`SeqFields(mamba_src=..., ...)`), and `SEQ.output_pos` etc. name a group's rows.
+class TokenFields(NamedTuple):
+    """Per-token int64 fields."""
+
+    input_ids: int
+    positions: int
+    slot_mapping: int
+
+
+class SeqFields(NamedTuple):
+    """Per-sequence int64 fields."""
+
+    mamba_src: int
+    mamba_dst: int
+    input_from_prev: int
+    logits_indices: int
+    seeds: int
+    output_pos: int
+    history_rows: int
+    prompt_lens: int
+    history_lens: int
+
+
+class SamplingRow(NamedTuple):
+    """A request's sampling parameters as the device reads them: the float32 group
+    (`SAMPLING_F32`), then top_k (int32 field) and how many logprobs it wants (-1: none;
+    it sets the step's sampler variant, it is not a buffer field)."""
+
+    temperature: float
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    top_k: float
+    num_logprobs: float
+
+
+TOKEN_I64 = TokenFields._fields
+SEQ_I64 = SeqFields._fields
+SAMPLING_F32 = tuple(f for f in SamplingRow._fields if f not in ("top_k", "num_logprobs"))
 GROUPS = {"token_i64": TOKEN_I64, "seq_i64": SEQ_I64, "sampling_f32": SAMPLING_F32}
+# Row indices of each group's 2-D view (and columns of a SamplingRow array), by name.
+TOKEN = TokenFields._make(range(len(TOKEN_I64)))
+SEQ = SeqFields._make(range(len(SEQ_I64)))
+SAMPLING = SamplingRow._make(range(len(SamplingRow._fields)))
+# What rows that sample nothing (CUDA-graph padding) sample with: greedy, no filters.
+NEUTRAL_SAMPLING = SamplingRow(temperature=0.0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
+                               frequency_penalty=0.0, top_k=0.0, num_logprobs=-1.0)
 
 
-def _fields(max_tokens: int, max_seqs: int, max_blocks: int) -> list[_Field]:
+def _fields(max_tokens: int, max_seqs: int, max_blocks: int, max_new_slots: int) -> list[_Field]:
     t, s = (max_tokens,), (max_seqs,)
     return (
         [_Field(n, torch.int64, t) for n in TOKEN_I64]
         + [_Field(n, torch.int64, s) for n in SEQ_I64]
-        + [_Field("new_state_slots", torch.int64, (2 * max_seqs,))]
+        + [_Field("new_state_slots", torch.int64, (max_new_slots,))]
         + [_Field("cu_seqlens_q", torch.int32, (max_seqs + 1,)), _Field("prefill_cu_seqlens", torch.int32, (max_seqs + 1,)),
            _Field("seq_lens", torch.int32, s), _Field("block_tables", torch.int32, (max_seqs, max_blocks)),
            _Field("top_k", torch.int32, s)]
@@ -109,9 +156,10 @@ class StepBuffer:
     host-to-device copies (the one-copy-per-step invariant is tested).
     """
 
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device):
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, max_new_slots: int,
+                 device: torch.device):
         self.max_tokens, self.max_seqs, self.max_blocks_per_seq = max_tokens, max_seqs, max_blocks_per_seq
-        fields = _fields(max_tokens, max_seqs, max_blocks_per_seq)
+        fields = _fields(max_tokens, max_seqs, max_blocks_per_seq, max_new_slots)
         nbytes = _layout_bytes(fields)
         pin = device.type == "cuda"
         self._host_bytes = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]

@@ -3,7 +3,7 @@ buffer mirrored into one device buffer of the same layout; one sync = one copy."
 import pytest
 import torch
 
-from cache.context import StepBuffer
+from cache.step_buffer import StepBuffer
 
 T, S, MB = 24, 5, 7
 PER_TOKEN = ["input_ids", "positions", "slot_mapping", "prompt_token_mask"]
@@ -12,7 +12,7 @@ PER_SEQ = ["mamba_src", "mamba_dst", "logits_indices", "seeds", "output_pos", "s
 
 
 def make(device="cpu"):
-    return StepBuffer(T, S, MB, torch.device(device))
+    return StepBuffer(T, S, MB, 2 * S, torch.device(device))
 
 
 def _layout(views):
