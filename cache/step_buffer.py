@@ -86,14 +86,17 @@ class SamplingRow(NamedTuple):
     num_logprobs: float
 
 
+# Row indices of each group's 2-D view (and columns of a SamplingRow array), by name.
+TOKEN = TokenFields._make(range(len(TokenFields._fields)))
+SEQ = SeqFields._make(range(len(SeqFields._fields)))
+SAMPLING = SamplingRow._make(range(len(SamplingRow._fields)))
+# The float32 group is SamplingRow's leading fields: rows [SAMPLING_F32_ROWS] of a
+# [SamplingRow, n] array are the group as the buffer lays it out.
+SAMPLING_F32_ROWS = slice(0, SAMPLING.top_k)
 TOKEN_I64 = TokenFields._fields
 SEQ_I64 = SeqFields._fields
-SAMPLING_F32 = tuple(f for f in SamplingRow._fields if f not in ("top_k", "num_logprobs"))
+SAMPLING_F32 = SamplingRow._fields[SAMPLING_F32_ROWS]
 GROUPS = {"token_i64": TOKEN_I64, "seq_i64": SEQ_I64, "sampling_f32": SAMPLING_F32}
-# Row indices of each group's 2-D view (and columns of a SamplingRow array), by name.
-TOKEN = TokenFields._make(range(len(TOKEN_I64)))
-SEQ = SeqFields._make(range(len(SEQ_I64)))
-SAMPLING = SamplingRow._make(range(len(SamplingRow._fields)))
 # What rows that sample nothing (CUDA-graph padding) sample with: greedy, no filters.
 NEUTRAL_SAMPLING = SamplingRow(temperature=0.0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
                                frequency_penalty=0.0, top_k=0.0, num_logprobs=-1.0)

@@ -33,6 +33,7 @@ from hybrid_engine.gc_control import StepGarbageCollector
 from hybrid_engine.models.embedded import EMBEDDED_CONFIG, EMBEDDED_MODEL_NAME, EMBEDDED_WEIGHT_SEED
 from hybrid_engine.models.loader import load_model, read_config
 from hybrid_engine.models.presets import get_preset
+from hybrid_engine.prompts import RequestLimits, validate_request
 from hybrid_engine.request import Request, RequestOutput, RequestStatus
 from hybrid_engine.runner import ModelRunner, StepHandle, StepSamples
 from hybrid_engine.sampling import derive_seed
@@ -83,6 +84,8 @@ class LLMEngine:
         max_num_seqs, num_blocks = self._size_pools()
         self.kv = KVBlockAllocator(num_blocks, cfg.kv_block_size, len(mc.attention_layers), mc.num_kv_heads,
                                    mc.head_dim, cfg.torch_dtype, self.device)
+        self.limits = RequestLimits(vocab_size=mc.vocab_size, max_model_len=self.max_model_len,
+                                    kv_tokens=self.kv.num_blocks * cfg.kv_block_size)
         self.mamba = MambaStateAllocator(max_num_seqs, len(mc.mamba_layers), mc.mamba_conv_dim, mc.conv_kernel - 1,
                                          mc.mamba_num_heads, mc.mamba_head_dim, mc.ssm_state_size, cfg.torch_dtype,
                                          self.device, copies_per_request=self.state_copies)
@@ -166,24 +169,6 @@ class LLMEngine:
         return -(-self.max_model_len // self.config.kv_block_size)
 
     # ---- requests --------------------------------------------------------------------
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; pass token ids (a list of ints)")
-            ids = self.tokenizer.encode(prompt)
-            text = prompt
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids, text = list(prompt), None
-        else:
-            raise ValueError("prompt must be a string or a list of token ids (ints)")
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt: token id {bad} is out of vocabulary (vocab_size {vocab})")
-        return text, ids
-
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | dict | None = None) -> None:
         """Queue a request; invalid input raises ValueError naming the field and changes nothing."""
@@ -216,22 +201,14 @@ class LLMEngine:
             params = SamplingParams.from_dict(params)
         elif not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams or a dict, got {type(params).__name__}")
-        text, ids = self._tokenize(prompt)
-        total = len(ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
-                             f"maximum context length {self.max_model_len}")
-        if self.kv.blocks_for(total) > self.kv.num_blocks:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs "
-                             f"{self.kv.blocks_for(total)} KV blocks; the cache has {self.kv.num_blocks}")
+        ids = validate_request(prompt, params, self.limits, self.tokenizer)
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
                                            stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
-        elif params.stop:
-            raise ValueError("stop: stop strings need a tokenizer; this model has none (use stop_token_ids)")
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         seed = derived_seed if params.seed is None else params.seed
+        text = prompt if isinstance(prompt, str) else None
         return Request(request_id, text, ids, params, seed, eos, detok)
 
     def abort_request(self, request_id: str) -> None:

@@ -16,7 +16,8 @@ import torch
 
 from cache.kv_cache import KVBlockAllocator
 from cache.mamba_cache import MambaStateAllocator
-from cache.step_buffer import NEUTRAL_SAMPLING, SAMPLING, SEQ, TOKEN, SamplingRow, SeqFields, StepBuffer, TokenFields
+from cache.step_buffer import (NEUTRAL_SAMPLING, SAMPLING, SAMPLING_F32_ROWS, SEQ, TOKEN, SamplingRow, SeqFields,
+                               StepBuffer, TokenFields)
 from hybrid_engine.models.base import HybridForCausalLM
 from hybrid_engine.request import Request
 from hybrid_engine.sampling import SamplingTensors, sample
@@ -116,8 +117,7 @@ class ModelRunner:
         self._row_owner: list[Request | None] = [None] * self.max_seqs
         self._row_sampling = np.zeros((self.max_seqs, len(SamplingRow._fields)), dtype=np.float32)
         # Graph padding rows sample greedily with no filters: the float32 group as a column.
-        self._neutral_sampling = np.array(NEUTRAL_SAMPLING[: len(self.buffer.host_group("sampling_f32"))],
-                                          dtype=np.float32)[:, None]
+        self._neutral_sampling = np.array(NEUTRAL_SAMPLING[SAMPLING_F32_ROWS], dtype=np.float32)[:, None]
         # 0, 1, 2, ...: row indices and positions, sliced instead of built per step.
         self._rows = np.arange(max(self.max_seqs + 1, max_model_len), dtype=np.int64)
         # Token history per request slot, written on device from each step's inputs
@@ -394,8 +394,7 @@ class ModelRunner:
         """Sampling fields gathered from the row table; the step's sampler flags from them."""
         n = len(rows)
         sampling = self._row_sampling[rows].T  # [SamplingRow fields, n]
-        group = self.buffer.host_group("sampling_f32")
-        group[:, :n] = sampling[: len(group)]  # the float32 group leads SamplingRow
+        self.buffer.host_group("sampling_f32")[:, :n] = sampling[SAMPLING_F32_ROWS]
         self.buffer.host_np["top_k"][:n] = sampling[SAMPLING.top_k]  # (< 2**24 after clamping: exact in float32)
         penalties = ((sampling[SAMPLING.repetition_penalty] != 1.0) | (sampling[SAMPLING.presence_penalty] != 0.0)
                      | (sampling[SAMPLING.frequency_penalty] != 0.0))

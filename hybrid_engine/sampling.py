@@ -218,13 +218,7 @@ def _top_k_top_p_drop_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: tor
     return torch.empty_like(keep).scatter_(1, order, ~keep)
 
 
-def filtered_logits(
-    logits: torch.Tensor,
-    params: SamplingTensors,
-    *,
-    use_top_k_top_p: bool = True,
-    use_min_p: bool = True,
-) -> torch.Tensor:
+def filtered_logits(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     """Temperature-scaled logits with top-k, top-p and min-p applied (dropped tokens at -inf).
 
     ``logits`` are the (already penalized) float32 logits. Greedy rows
@@ -234,24 +228,16 @@ def filtered_logits(
     """
     temperature = params.temperature
     scaled = logits / torch.where(temperature == 0, 1.0, temperature)[:, None]
-    if use_top_k_top_p:
-        scaled.masked_fill_(_top_k_top_p_drop_mask(scaled, params.top_k, params.top_p), float("-inf"))
-    if use_min_p:
-        # prob / max_prob == exp(logit - max_logit); no normalisation needed.
-        relative = (scaled - scaled.amax(dim=-1, keepdim=True)).exp()
-        scaled.masked_fill_(relative < params.min_p[:, None], float("-inf"))
+    scaled.masked_fill_(_top_k_top_p_drop_mask(scaled, params.top_k, params.top_p), float("-inf"))
+    # prob / max_prob == exp(logit - max_logit); no normalisation needed.
+    relative = (scaled - scaled.amax(dim=-1, keepdim=True)).exp()
+    scaled.masked_fill_(relative < params.min_p[:, None], float("-inf"))
     return scaled
 
 
-def filtered_probs(
-    logits: torch.Tensor,
-    params: SamplingTensors,
-    *,
-    use_top_k_top_p: bool = True,
-    use_min_p: bool = True,
-) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     """The distribution :func:`sample` draws from for non-greedy rows: softmax of :func:`filtered_logits`."""
-    return filtered_logits(logits, params, use_top_k_top_p=use_top_k_top_p, use_min_p=use_min_p).softmax(dim=-1)
+    return filtered_logits(logits, params).softmax(dim=-1)
 
 
 # --- Sampling ----------------------------------------------------------------------
@@ -274,8 +260,6 @@ def sample(
     num_logprobs: int = -1,
     all_greedy: bool = False,
     use_penalties: bool = False,
-    use_top_k_top_p: bool = True,
-    use_min_p: bool = True,
 ) -> SamplerOutput:
     """Draw one token per row of ``logits`` [B, V] according to ``params``.
 
@@ -286,8 +270,7 @@ def sample(
 
     The flags are host-known facts about the batch that only skip work:
     ``all_greedy`` skips filtering and noise, ``use_penalties`` enables
-    :func:`apply_penalties` (needs the history tensors), ``use_top_k_top_p`` /
-    ``use_min_p`` may be False when no row uses those filters.
+    :func:`apply_penalties` (needs the history tensors).
     ``num_logprobs >= 0`` returns ``1 + num_logprobs`` columns of logprobs of
     the raw logits (log_softmax before penalties/temperature/filters).
     """
@@ -295,7 +278,7 @@ def sample(
     penalized = apply_penalties(raw, params) if use_penalties else raw
     tokens = penalized.argmax(dim=-1)
     if not all_greedy:
-        scores = filtered_logits(penalized, params, use_top_k_top_p=use_top_k_top_p, use_min_p=use_min_p)
+        scores = filtered_logits(penalized, params)
         # Gumbel-max: argmax(logit + G), G = -log(-log u), draws from softmax(logit).
         gumbel = uniform_noise(params.seed, params.output_pos, scores.shape[-1]).log_().neg_().log_().neg_()
         drawn = scores.add_(gumbel).argmax(dim=-1)

@@ -1,11 +1,73 @@
-"""User-facing sampling parameters (vLLM-compatible names and defaults)."""
+"""User-facing sampling parameters (vLLM-compatible names and defaults) and the one table
+of their valid ranges.
+
+`RANGES` is the only definition of what a numeric sampling field accepts: `SamplingParams`
+checks it, and the HTTP server builds its request schema from it, so the library and the
+server accept exactly the same values.
+"""
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
+
+MAX_LOGPROBS = 20  # top alternatives per generated token (OpenAI's top_logprobs limit)
+MAX_STOP_STRINGS = 16  # every stop string is searched for in each step's new text
+# Seeds fill an int64 tensor; the sampler's RNG is keyed by all of their 63 bits.
+MAX_SEED = 2**63 - 1
+# The sampler computes in float32: anything larger would turn into inf there.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+class ParameterError(ValueError):
+    """Invalid request input: a ValueError that also names the field it is about (`param`),
+    so the HTTP server can answer a 400 naming it. The message starts with the field name."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values of one numeric field: a `kind` (int or float) in [lo, hi], or (lo, hi]
+    when `lo_open`; None means unbounded on that side. Floats must also be finite."""
+
+    kind: type
+    lo: int | float | None = None
+    hi: int | float | None = None
+    lo_open: bool = False
+
+    def __contains__(self, value: int | float) -> bool:
+        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
+            return False
+        return self.hi is None or value <= self.hi
+
+    def __str__(self) -> str:
+        lo = "-inf" if self.lo is None else str(self.lo)
+        hi = "inf" if self.hi is None else str(self.hi)
+        return f"{'(' if self.lo_open or self.lo is None else '['}{lo}, {hi}{')' if self.hi is None else ']'}"
+
+
+# field -> valid values. vLLM's ranges, plus the float32 and int64 limits the sampler has.
+RANGES: dict[str, Range] = {
+    "max_tokens": Range(int, lo=1),
+    "temperature": Range(float, lo=0.0, hi=FLOAT32_MAX),
+    "top_k": Range(int, lo=0),
+    "top_p": Range(float, lo=0.0, hi=1.0, lo_open=True),
+    "min_p": Range(float, lo=0.0, hi=1.0),
+    "repetition_penalty": Range(float, lo=0.0, hi=FLOAT32_MAX, lo_open=True),
+    "presence_penalty": Range(float, lo=-2.0, hi=2.0),
+    "frequency_penalty": Range(float, lo=-2.0, hi=2.0),
+    "seed": Range(int, lo=0, hi=MAX_SEED),
+    "logprobs": Range(int, lo=0, hi=MAX_LOGPROBS),
+}
+# Ranged fields where None is a value of its own: no seed (derived), no logprobs.
+_NULLABLE = frozenset({"seed", "logprobs"})
 
 
 @dataclass
 class SamplingParams:
-    """How to decode one request. Invalid values raise ValueError naming the field.
+    """How to decode one request. Invalid values raise `ParameterError` (a ValueError)
+    naming the field; numeric ranges are those of `RANGES`.
 
     temperature 0 is greedy; top_k 0 / top_p 1 / min_p 0 / penalties 1, 0, 0 are "off".
     `seed` makes sampling reproducible per request: the noise for output token i is a pure
@@ -29,70 +91,57 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        for name, valid in RANGES.items():
+            value = getattr(self, name)
+            if not (value is None and name in _NULLABLE):
+                setattr(self, name, check_value(name, value, valid))
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check_int(self, "max_tokens", lo=1)
-        _check_float(self, "temperature", lo=0.0)
-        _check_int(self, "top_k", lo=0)
-        _check_float(self, "top_p", lo=0.0, lo_open=True, hi=1.0)
-        _check_float(self, "min_p", lo=0.0, hi=1.0)
-        _check_float(self, "repetition_penalty", lo=0.0, lo_open=True)
-        _check_float(self, "presence_penalty", lo=-2.0, hi=2.0)
-        _check_float(self, "frequency_penalty", lo=-2.0, hi=2.0)
-        if self.seed is not None:
-            _check_int(self, "seed", lo=0)
-        if self.logprobs is not None:
-            _check_int(self, "logprobs", lo=0, hi=20)
-        if self.stop is not None and not (isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop)):
-            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if self.stop is not None:
+            if not (isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop)):
+                raise ParameterError("stop", f"stop must be a string or a list of strings, got {self.stop!r}")
+            if len(self.stop) > MAX_STOP_STRINGS:
+                raise ParameterError("stop", f"stop must have at most {MAX_STOP_STRINGS} strings, "
+                                             f"got {len(self.stop)}")
         if self.stop_token_ids is not None and not (
-            isinstance(self.stop_token_ids, list) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids)
+            isinstance(self.stop_token_ids, list) and all(is_int(t) and t >= 0 for t in self.stop_token_ids)
         ):
-            raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
+            raise ParameterError("stop_token_ids", f"stop_token_ids must be a list of non-negative ints, "
+                                                   f"got {self.stop_token_ids!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise ParameterError(name, f"{name} must be a bool, got {getattr(self, name)!r}")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "SamplingParams":
-        """Build from a dict, rejecting unknown keys with a ValueError naming them."""
+        """Build from a dict, rejecting unknown keys with a ParameterError naming them."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+            raise ParameterError(unknown[0], f"unknown sampling parameter(s): {', '.join(unknown)}")
         return cls(**values)
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def uses_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a dict (what `from_dict` takes back)."""
         return asdict(self)
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def is_int(value: Any) -> bool:
+    """An int that is not a bool (JSON and Python both let True pass as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_int(p: SamplingParams, name: str, lo: int | None = None, hi: int | None = None) -> None:
-    v = getattr(p, name)
-    if not _is_int(v):
-        raise ValueError(f"{name} must be an integer, got {v!r}")
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise ValueError(f"{name} must be in [{lo}, {hi if hi is not None else 'inf'}], got {v}")
-
-
-def _check_float(p: SamplingParams, name: str, lo: float | None = None, hi: float | None = None,
-                 lo_open: bool = False) -> None:
-    v = getattr(p, name)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
-        raise ValueError(f"{name} must be a number, got {v!r}")
-    setattr(p, name, float(v))
-    too_low = lo is not None and (v <= lo if lo_open else v < lo)
-    if too_low or (hi is not None and v > hi):
-        interval = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}]"
-        raise ValueError(f"{name} must be in {interval}, got {v}")
+def check_value(name: str, value: Any, valid: Range) -> int | float:
+    """`value` as field `name` stores it (ints stay ints, floats become float), or a
+    ParameterError naming `name` if it has the wrong type, is not finite, or is out of `valid`."""
+    if valid.kind is int:
+        if not is_int(value):
+            raise ParameterError(name, f"{name} must be an integer, got {value!r}")
+    elif isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ParameterError(name, f"{name} must be a number, got {value!r}")
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ParameterError(name, f"{name} must be a finite number, got {value!r}")
+    # Compared before any float() conversion: a huge int must fail here, not overflow.
+    if value not in valid:
+        raise ParameterError(name, f"{name} must be in {valid}, got {value!r}")
+    return float(value) if valid.kind is float else value

@@ -3,12 +3,12 @@ import torch
 from torch import nn
 
 from layers.forward_meta import ForwardMeta
-from layers.kernels import ops
+from layers.kernels.ops import KernelOps
 from layers.rotary import RotaryEmbedding
 
 
 class PagedAttention(nn.Module):
-    """q/k/v/o projections around paged causal attention.
+    """q/k/v/o projections around paged causal attention, run with the op set `ops`.
 
     The runner binds `kv_cache = (k_cache, v_cache)` once; the tensors keep their address
     for the engine's lifetime (CUDA graphs replay against them).
@@ -23,8 +23,11 @@ class PagedAttention(nn.Module):
         scale: float,
         bias: bool = False,
         rotary: RotaryEmbedding | None = None,
+        *,
+        ops: KernelOps,
     ):
         super().__init__()
+        self.ops = ops
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -44,8 +47,7 @@ class PagedAttention(nn.Module):
         if self.rotary is not None:
             q, k = self.rotary(meta.positions, q, k)
         k_cache, v_cache = self.kv_cache
-        kernels = ops()
-        kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale,
-                                      max_seqlen_q=meta.max_seqlen_q, num_decode=meta.num_decode)
+        self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = self.ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
+                                       self.scale, max_seqlen_q=meta.max_seqlen_q, num_decode=meta.num_decode)
         return self.o_proj(out.reshape(n, -1))

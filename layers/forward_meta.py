@@ -1,6 +1,6 @@
 """What one forward step tells the layers about the packed batch.
 
-Row layout (fixed by the bookkeeping context in `cache/context.py`): the first
+Row layout (fixed by the step buffer layout in `cache/step_buffer.py`): the first
 `num_decode` sequences are decode rows with exactly one token each (tokens
 [0, num_decode)); the `num_prefill` prefill chunks follow, packed. Python ints here are
 the step's *shape* (they select kernels and sizes); every value the kernels read lives in

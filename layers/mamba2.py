@@ -11,11 +11,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from layers.forward_meta import ForwardMeta
-from layers.kernels import ops
+from layers.kernels.ops import KernelOps
 
 
 class Mamba2Mixer(nn.Module):
-    """One Mamba-2 layer; the runner binds `conv_state` and `ssm_state` (slot pools)."""
+    """One Mamba-2 layer run with the op set `ops`; the runner binds `conv_state` and
+    `ssm_state` (slot pools)."""
 
     def __init__(
         self,
@@ -25,19 +26,20 @@ class Mamba2Mixer(nn.Module):
         n_groups: int,
         state_size: int,
         conv_kernel: int,
-        chunk_size: int,
         dt_limit: tuple[float, float],
         norm_eps: float,
         use_conv_bias: bool = True,
         proj_bias: bool = False,
+        *,
+        ops: KernelOps,
     ):
         super().__init__()
+        self.ops = ops
         if num_heads % n_groups:
             raise ValueError(f"mamba heads ({num_heads}) must be a multiple of n_groups ({n_groups})")
         self.num_heads, self.head_dim, self.n_groups, self.state_size = num_heads, head_dim, n_groups, state_size
         self.d_ssm = num_heads * head_dim
         self.conv_dim = self.d_ssm + 2 * n_groups * state_size
-        self.chunk_size = chunk_size
         # Applied to prompt tokens only: transformers clamps dt in its chunked (prefill)
         # scan and not in its recurrent (decode) update; mamba-ssm does the same.
         self.dt_limit = dt_limit
@@ -71,7 +73,7 @@ class Mamba2Mixer(nn.Module):
         return self._a_cache
 
     def forward(self, x: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
-        kernels = ops()
+        kernels = self.ops
         zxbcdt = self.in_proj(x)
         z, xbc, dt = zxbcdt.split([self.d_ssm, self.conv_dim, self.num_heads], dim=-1)
         a = self._a()
@@ -89,9 +91,7 @@ class Mamba2Mixer(nn.Module):
             xbc_p = kernels.causal_conv1d_varlen(xbc[nd:], weight, self.conv1d.bias, self.conv_state, cu, src, dst)
             xs, b, c = self._split_xbc(xbc_p)
             dt_p = self._process_dt(dt[nd:], meta.prompt_token_mask[nd:])
-            ys.append(
-                kernels.ssd_chunk_scan_varlen(xs, dt_p, a, b, c, self.D, cu, self.ssm_state, src, dst, self.chunk_size)
-            )
+            ys.append(kernels.ssd_chunk_scan_varlen(xs, dt_p, a, b, c, self.D, cu, self.ssm_state, src, dst))
         y = torch.cat(ys) if len(ys) > 1 else ys[0]
         y = kernels.gated_rms_norm(y.reshape(x.shape[0], self.d_ssm), z, self.norm.weight, self.norm_eps,
                                    self.d_ssm // self.n_groups)

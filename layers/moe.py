@@ -3,7 +3,7 @@ expert, optional latent projections) and Granite's (softmax top-k, SwiGLU expert
 import torch
 from torch import nn
 
-from layers.kernels import ops
+from layers.kernels.ops import KernelOps
 from layers.mlp import Relu2MLP
 
 
@@ -49,8 +49,11 @@ class NemotronHMoE(nn.Module):
         routed_scaling_factor: float,
         latent_size: int | None = None,
         bias: bool = False,
+        *,
+        ops: KernelOps,
     ):
         super().__init__()
+        self.ops = ops
         if num_experts % n_group:
             raise ValueError(f"n_routed_experts ({num_experts}) must be a multiple of n_group ({n_group})")
         self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
@@ -63,21 +66,22 @@ class NemotronHMoE(nn.Module):
         self.fc2_latent_proj = nn.Linear(latent_size, hidden_size, bias=bias) if latent_size else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = ops()
         logits = torch.nn.functional.linear(x.float(), self.gate.weight.float())
-        weights, ids = kernels.route_sigmoid_grouped(
+        weights, ids = self.ops.route_sigmoid_grouped(
             logits, self.gate.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
             self.norm_topk_prob, self.routed_scaling_factor,
         )
-        routed = kernels.moe_experts(self.fc1_latent_proj(x), self.experts.up, self.experts.down, weights, ids, "relu2")
+        routed = self.ops.moe_experts(self.fc1_latent_proj(x), self.experts.up, self.experts.down, weights, ids,
+                                      "relu2")
         return self.fc2_latent_proj(routed) + self.shared_experts(x)
 
 
 class GraniteMoE(nn.Module):
     """Softmax-top-k routed SwiGLU experts (checkpoint names: input_linear / output_linear)."""
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, *, ops: KernelOps):
         super().__init__()
+        self.ops = ops
         self.top_k = top_k
         self.router = nn.Module()
         self.router.layer = nn.Linear(hidden_size, num_experts, bias=False)
@@ -87,8 +91,7 @@ class GraniteMoE(nn.Module):
         self.output_linear.weight = nn.Parameter(torch.zeros(num_experts, hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = ops()
-        weights, ids = kernels.route_softmax_topk(self.router.layer(x).float(), self.top_k)
+        weights, ids = self.ops.route_softmax_topk(self.router.layer(x).float(), self.top_k)
         # transformers casts the routing weights to the activation dtype before use.
         weights = weights.to(x.dtype)
-        return kernels.moe_experts(x, self.input_linear.weight, self.output_linear.weight, weights, ids, "swiglu")
+        return self.ops.moe_experts(x, self.input_linear.weight, self.output_linear.weight, weights, ids, "swiglu")

@@ -2,17 +2,18 @@
 import torch
 from torch import nn
 
-from layers.kernels import ops
+from layers.kernels.ops import KernelOps
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with a learned scale; see `rms_norm` for the `weight_in_fp32` choice."""
+    """RMSNorm with a learned scale; see `KernelOps.rms_norm` for the `weight_in_fp32` choice."""
 
-    def __init__(self, hidden_size: int, eps: float, weight_in_fp32: bool = True):
+    def __init__(self, hidden_size: int, eps: float, *, ops: KernelOps, weight_in_fp32: bool = True):
         super().__init__()
+        self.ops = ops
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.weight_in_fp32 = weight_in_fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops().rms_norm(x, self.weight, self.eps, self.weight_in_fp32)
+        return self.ops.rms_norm(x, self.weight, self.eps, self.weight_in_fp32)

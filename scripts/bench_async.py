@@ -14,7 +14,6 @@ import torch
 
 from bench_decode import peer_model_dir, probe_decode, run_batch
 from hybrid_engine import LLM
-from layers.kernels import ops
 
 
 def time_cuda(fn, iters: int = 50) -> float:
@@ -34,7 +33,7 @@ def time_cuda(fn, iters: int = 50) -> float:
 def shadow_cost_ms(llm: LLM, batch: int) -> float:
     """Extra GPU time per step of ping-pong (src != dst) over in-place (src == dst) for the
     Mamba decode state updates of every Mamba layer (conv + SSM), at this batch."""
-    engine, kernels = llm.engine, ops()
+    engine, kernels = llm.engine, llm.engine.kernels
     mc, mamba = engine.model_config, engine.mamba
     conv, ssm = mamba.layer_views(0)
     dtype, dev = conv.dtype, conv.device

@@ -200,7 +200,7 @@ def bench_ssd_prefill(num_seqs: int) -> Case:
     cu = torch.arange(0, PREFILL + 1, PREFILL // num_seqs, dtype=torch.int32, device=DEV)
     src = torch.arange(num_seqs, device=DEV)
     dst = src + num_seqs
-    call = lambda: ssd.ssd_chunk_scan_varlen(x, dt, a, bc[:, 0], bc[:, 1], d, cu, pool, src, dst, 128)  # noqa: E731
+    call = lambda: ssd.ssd_chunk_scan_varlen(x, dt, a, bc[:, 0], bc[:, 1], d, cu, pool, src, dst)  # noqa: E731
     moved = 2 * x.numel() * 2 + bc.numel() * 2 + dt.numel() * 4 + pool.numel() * 4
     # Chunked SSD with 64-token chunks: intra-chunk C.B^T and its product with X, plus the
     # chunk state and its read-out (2 * P * N each), per token and head.

@@ -1,5 +1,6 @@
-"""What every model family offers the engine: a packed-token forward over bound caches,
-logits for the sampled rows, and the mapping from checkpoint names to parameters."""
+"""The skeleton both model families share: embeddings -> one block per layer -> final
+RMSNorm -> LM head, a packed-token forward over bound caches, logits for the sampled rows,
+and the mapping from checkpoint names to parameters. A family file says only what differs."""
 import re
 
 import torch
@@ -8,7 +9,9 @@ from torch import nn
 from hybrid_engine.models.config import HybridConfig
 from layers.attention import PagedAttention
 from layers.forward_meta import ForwardMeta
+from layers.kernels.ops import KernelOps
 from layers.mamba2 import Mamba2Mixer
+from layers.norms import RMSNorm
 from layers.rotary import RotaryEmbedding
 
 # Per-expert checkpoint tensors ("...experts.3.up_proj.weight") stacked into one [E, ...]
@@ -17,18 +20,42 @@ PER_EXPERT_KEY = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<index>\d+)\.(?P<name
 
 
 class HybridForCausalLM(nn.Module):
-    """Base class: subclasses build `self.model` (embeddings, layers, final norm) and `lm_head`."""
+    """A hybrid decoder whose kernel-calling layers all run the op set `ops` given here.
 
-    config: HybridConfig
-    lm_head: nn.Linear
+    A family subclass sets `block` (built as `block(config, layer_kind, ops=ops)`, called as
+    `block(h, meta)`) and the checkpoint names of its embedding table and final norm; it
+    overrides `embed` / `compute_logits` where its model scales them.
+    """
+
+    block: type[nn.Module]
+    embeddings_name: str  # under `model.`
+    final_norm_name: str  # under `model.`
+    norm_weight_in_fp32: bool = True  # see `KernelOps.rms_norm`
+
+    def __init__(self, config: HybridConfig, *, ops: KernelOps):
+        super().__init__()
+        c = self.config = config
+        self.model = nn.Module()
+        self.model.add_module(self.embeddings_name, nn.Embedding(c.vocab_size, c.hidden_size))
+        self.model.layers = nn.ModuleList(self.block(c, kind, ops=ops) for kind in c.layer_types)
+        self.model.add_module(self.final_norm_name,
+                              RMSNorm(c.hidden_size, c.norm_eps, ops=ops, weight_in_fp32=self.norm_weight_in_fp32))
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm for the packed step tokens."""
-        raise NotImplementedError
+        h = self.embed(input_ids)
+        for layer in self.model.layers:
+            h = layer(h, meta)
+        return getattr(self.model, self.final_norm_name)(h)
 
     def input_embeddings(self) -> nn.Embedding:
         """The token embedding table."""
-        raise NotImplementedError
+        return getattr(self.model, self.embeddings_name)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first hidden states of the packed step tokens."""
+        return self.input_embeddings()(input_ids)
 
     def tie_embeddings(self) -> None:
         """Share the embedding table with the LM head (`tie_word_embeddings`)."""
@@ -55,14 +82,14 @@ class HybridForCausalLM(nn.Module):
         return name
 
 
-def make_attention(c: HybridConfig) -> PagedAttention:
+def make_attention(c: HybridConfig, ops: KernelOps) -> PagedAttention:
     """The attention mixer of either family (RoPE only where the config asks for it)."""
     rotary = RotaryEmbedding(c.head_dim, c.rope_theta) if c.rope_theta is not None else None
     return PagedAttention(c.hidden_size, c.num_attention_heads, c.num_kv_heads, c.head_dim, c.attention_scale,
-                          bias=c.attention_bias, rotary=rotary)
+                          bias=c.attention_bias, rotary=rotary, ops=ops)
 
 
-def make_mamba(c: HybridConfig) -> Mamba2Mixer:
+def make_mamba(c: HybridConfig, ops: KernelOps) -> Mamba2Mixer:
     """The Mamba-2 mixer of either family."""
     return Mamba2Mixer(c.hidden_size, c.mamba_num_heads, c.mamba_head_dim, c.mamba_n_groups, c.ssm_state_size,
-                       c.conv_kernel, c.chunk_size, c.dt_limit, c.norm_eps, c.use_conv_bias, c.mamba_proj_bias)
+                       c.conv_kernel, c.dt_limit, c.norm_eps, c.use_conv_bias, c.mamba_proj_bias, ops=ops)

@@ -1,7 +1,9 @@
 """One normalized description of a hybrid model, parsed from a HF `config.json` dict.
 
 Both supported families (NemotronH, GraniteMoeHybrid) and their legacy field spellings map
-onto `HybridConfig`; every error names the field that is wrong.
+onto `HybridConfig`; every error names the field that is wrong. Fields that do not change
+the model's outputs are not read: e.g. the SSD `chunk_size` / `mamba_chunk_size` (each
+kernel blocks its scan its own way, see `KernelOps.ssd_chunk_scan_varlen`).
 """
 import math
 from dataclasses import dataclass, field
@@ -49,7 +51,6 @@ class HybridConfig:
     conv_kernel: int = 4
     use_conv_bias: bool = True
     mamba_proj_bias: bool = False
-    chunk_size: int = 128
     dt_limit: tuple[float, float] = (0.0, math.inf)
     time_step_min: float = 0.001
     time_step_max: float = 0.1
@@ -75,10 +76,6 @@ class HybridConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     pad_token_id: int | None = None
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layer_types)
 
     @property
     def mamba_layers(self) -> list[int]:
@@ -196,7 +193,6 @@ def _nemotron_h(cfg: dict) -> HybridConfig:
         conv_kernel=_int(cfg, "conv_kernel", "mamba_d_conv", default=4),
         use_conv_bias=bool(_get(cfg, "use_conv_bias", "mamba_conv_bias", default=True)),
         mamba_proj_bias=bool(cfg.get("use_bias", False)),
-        chunk_size=_int(cfg, "chunk_size", "mamba_chunk_size", default=128),
         # transformers' NemotronH ignores time_step_limit and clamps dt >= time_step_min in
         # prefill only; parity with it (the oracle) decides.
         dt_limit=(time_step_min, math.inf),
@@ -262,7 +258,6 @@ def _granite(cfg: dict) -> HybridConfig:
         conv_kernel=_int(cfg, "mamba_d_conv", default=4),
         use_conv_bias=bool(cfg.get("mamba_conv_bias", True)),
         mamba_proj_bias=bool(cfg.get("mamba_proj_bias", False)),
-        chunk_size=_int(cfg, "mamba_chunk_size", default=256),
         dt_limit=_time_step_limit(cfg),
         intermediate_size=_int(cfg, "shared_intermediate_size", default=0),
         num_experts=_int(cfg, "num_local_experts", default=0),
@@ -299,7 +294,7 @@ def _validate(c: HybridConfig) -> None:
         if c.num_attention_heads % max(c.num_kv_heads, 1) or c.num_kv_heads <= 0:
             raise ConfigError("config field 'num_key_value_heads' must divide num_attention_heads")
     if c.mamba_layers:
-        for name in ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "conv_kernel", "chunk_size"):
+        for name in ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "conv_kernel"):
             _positive(getattr(c, name), name)
         if c.mamba_num_heads % c.mamba_n_groups:
             raise ConfigError("config field 'n_groups' must divide the number of Mamba heads")

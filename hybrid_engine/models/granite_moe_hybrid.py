@@ -1,12 +1,14 @@
 """GraniteMoeHybrid (Granite-4.0-H): each layer is a mixer (Mamba-2 or attention with
 optional RoPE) then a feed-forward (softmax-top-k SwiGLU MoE + shared SwiGLU MLP, or the
-dense MLP alone when the model has no experts), both scaled by `residual_multiplier`."""
+dense MLP alone when the model has no experts), both scaled by `residual_multiplier`;
+embeddings are scaled by `embedding_multiplier`, logits divided by `logits_scaling`."""
 import torch
 from torch import nn
 
 from hybrid_engine.models.base import HybridForCausalLM, make_attention, make_mamba
 from hybrid_engine.models.config import HybridConfig
 from layers.forward_meta import ForwardMeta
+from layers.kernels.ops import KernelOps
 from layers.mlp import SwiGLUMLP
 from layers.moe import GraniteMoE
 from layers.norms import RMSNorm
@@ -22,18 +24,19 @@ _HF_INTERNAL_NAMES = {
 class GraniteBlock(nn.Module):
     """norm -> mixer -> scaled residual; norm -> MoE + shared MLP -> scaled residual."""
 
-    def __init__(self, c: HybridConfig, kind: str):
+    def __init__(self, c: HybridConfig, kind: str, *, ops: KernelOps):
         super().__init__()
         self.residual_multiplier = c.residual_multiplier
-        self.input_layernorm = RMSNorm(c.hidden_size, c.norm_eps, weight_in_fp32=False)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.norm_eps, weight_in_fp32=False)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.norm_eps, ops=ops, weight_in_fp32=False)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.norm_eps, ops=ops, weight_in_fp32=False)
         if kind == "mamba":
-            self.mamba = make_mamba(c)
+            self.mamba = make_mamba(c, ops)
         else:
-            self.self_attn = make_attention(c)
+            self.self_attn = make_attention(c, ops)
         self.kind = kind
         self.block_sparse_moe = (
-            GraniteMoE(c.hidden_size, c.num_experts, c.top_k, c.moe_intermediate_size) if c.num_experts else None
+            GraniteMoE(c.hidden_size, c.num_experts, c.top_k, c.moe_intermediate_size, ops=ops)
+            if c.num_experts else None
         )
         self.shared_mlp = SwiGLUMLP(c.hidden_size, c.intermediate_size)
 
@@ -50,23 +53,13 @@ class GraniteBlock(nn.Module):
 class GraniteMoeHybridForCausalLM(HybridForCausalLM):
     """Parameter names follow the HF checkpoints (`model.embed_tokens`, `model.layers.N...`)."""
 
-    def __init__(self, c: HybridConfig):
-        super().__init__()
-        self.config = c
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.model.layers = nn.ModuleList(GraniteBlock(c, kind) for kind in c.layer_types)
-        self.model.norm = RMSNorm(c.hidden_size, c.norm_eps, weight_in_fp32=False)
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+    block = GraniteBlock
+    embeddings_name = "embed_tokens"
+    final_norm_name = "norm"
+    norm_weight_in_fp32 = False
 
-    def input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    def forward(self, input_ids: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
-        h = self.model.embed_tokens(input_ids) * self.config.embedding_multiplier
-        for layer in self.model.layers:
-            h = layer(h, meta)
-        return self.model.norm(h)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().embed(input_ids) * self.config.embedding_multiplier
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return (self.lm_head(hidden) / self.config.logits_scaling).float()

@@ -4,6 +4,7 @@ Checkpoints: `config.json` plus `model.safetensors` or a sharded set listed in
 `model.safetensors.index.json`. Names may use `backbone.` or `model.` prefixes, experts
 may be stored per expert or stacked. Every missing, unexpected or mis-shaped tensor is an
 error naming the key. `load_format="dummy"` gives seeded random weights of the real shapes.
+The model's layers run the kernel op set they are built with (`load_model(..., ops=...)`).
 """
 import json
 import logging
@@ -18,6 +19,7 @@ from torch import nn
 from hybrid_engine.models.base import PER_EXPERT_KEY, HybridForCausalLM
 from hybrid_engine.models.config import ConfigError, HybridConfig, parse_hf_config
 from hybrid_engine.models.registry import build_model
+from layers.kernels import KernelOps, select_ops
 from layers.mamba2 import Mamba2Mixer
 
 logger = logging.getLogger(__name__)
@@ -160,8 +162,10 @@ def _keep_fp32(model: nn.Module) -> None:
                 getattr(mixer, name).data = getattr(mixer, name).data.float()
 
 
-def create_model(config: HybridConfig, device: torch.device, dtype: torch.dtype) -> HybridForCausalLM:
-    """The model on `device` with parameters in `dtype` (placeholders until loaded or initialized).
+def create_model(config: HybridConfig, device: torch.device, dtype: torch.dtype, *,
+                 ops: KernelOps) -> HybridForCausalLM:
+    """The model on `device` with parameters in `dtype` (placeholders until loaded or
+    initialized), its layers running the op set `ops`.
 
     Built directly on the target device with `dtype` as the default dtype (not meta +
     to_empty, whose first use imports sympy and costs seconds, nor a later `.to(dtype)`,
@@ -171,7 +175,7 @@ def create_model(config: HybridConfig, device: torch.device, dtype: torch.dtype)
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = build_model(config)
+            model = build_model(config, ops=ops)
     finally:
         torch.set_default_dtype(previous)
     _keep_fp32(model)
@@ -180,13 +184,17 @@ def create_model(config: HybridConfig, device: torch.device, dtype: torch.dtype)
 
 def load_model(
     hf_config: dict, path: str | None, device: torch.device, dtype: torch.dtype, load_format: str = "auto",
-    seed: int = 0,
+    seed: int = 0, *, ops: KernelOps | None = None,
 ) -> HybridForCausalLM:
-    """Parse the config, build the model and fill its weights from `path` or randomly."""
+    """Parse the config, build the model and fill its weights from `path` or randomly.
+
+    `ops` is the kernel op set every layer of the model runs; None chooses it for `device`
+    (`select_ops`). An engine passes the set it chose, so its model runs exactly that one.
+    """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     config = parse_hf_config(hf_config)
-    model = create_model(config, device, dtype)
+    model = create_model(config, device, dtype, ops=ops if ops is not None else select_ops(device))
     if load_format == "dummy" or path is None:
         init_dummy_weights(model, seed)
     else:

@@ -6,6 +6,7 @@ from torch import nn
 from hybrid_engine.models.base import HybridForCausalLM, make_attention, make_mamba
 from hybrid_engine.models.config import HybridConfig
 from layers.forward_meta import ForwardMeta
+from layers.kernels.ops import KernelOps
 from layers.mlp import Relu2MLP
 from layers.moe import NemotronHMoE
 from layers.norms import RMSNorm
@@ -14,20 +15,20 @@ from layers.norms import RMSNorm
 class NemotronHBlock(nn.Module):
     """norm -> mixer -> residual add."""
 
-    def __init__(self, c: HybridConfig, kind: str):
+    def __init__(self, c: HybridConfig, kind: str, *, ops: KernelOps):
         super().__init__()
         self.kind = kind
-        self.norm = RMSNorm(c.hidden_size, c.norm_eps)
+        self.norm = RMSNorm(c.hidden_size, c.norm_eps, ops=ops)
         if kind == "mamba":
-            self.mixer = make_mamba(c)
+            self.mixer = make_mamba(c, ops)
         elif kind == "attention":
-            self.mixer = make_attention(c)
+            self.mixer = make_attention(c, ops)
         elif kind == "mlp":
             self.mixer = Relu2MLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
         else:
             self.mixer = NemotronHMoE(c.hidden_size, c.num_experts, c.top_k, c.moe_intermediate_size,
                                       c.shared_intermediate_size, c.n_group, c.topk_group, c.norm_topk_prob,
-                                      c.routed_scaling_factor, c.moe_latent_size, bias=c.mlp_bias)
+                                      c.routed_scaling_factor, c.moe_latent_size, bias=c.mlp_bias, ops=ops)
         self.needs_meta = kind in ("mamba", "attention")
 
     def forward(self, h: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
@@ -38,28 +39,12 @@ class NemotronHBlock(nn.Module):
 class NemotronHForCausalLM(HybridForCausalLM):
     """Parameter names follow the HF checkpoints (`backbone.` read as `model.`)."""
 
-    def __init__(self, c: HybridConfig):
-        super().__init__()
-        self.config = c
-        self.model = nn.Module()
-        self.model.embeddings = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.model.layers = nn.ModuleList(NemotronHBlock(c, kind) for kind in c.layer_types)
-        self.model.norm_f = RMSNorm(c.hidden_size, c.norm_eps)
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-
-    def input_embeddings(self) -> nn.Embedding:
-        return self.model.embeddings
-
-    def forward(self, input_ids: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
-        h = self.model.embeddings(input_ids)
-        for layer in self.model.layers:
-            h = layer(h, meta)
-        return self.model.norm_f(h)
+    block = NemotronHBlock
+    embeddings_name = "embeddings"
+    final_norm_name = "norm_f"
 
     def normalize_checkpoint_name(self, name: str) -> str | None:
         name = super().normalize_checkpoint_name(name)
-        if name is None:
-            return None
-        if name == "model.embed_tokens.weight":
+        if name == "model.embed_tokens.weight":  # transformers' internal name
             return "model.embeddings.weight"
         return name

@@ -3,6 +3,7 @@ from hybrid_engine.models.base import HybridForCausalLM
 from hybrid_engine.models.config import GRANITE_MOE_HYBRID, NEMOTRON_H, HybridConfig
 from hybrid_engine.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
 from hybrid_engine.models.nemotron_h import NemotronHForCausalLM
+from layers.kernels.ops import KernelOps
 
 MODEL_CLASSES: dict[str, type[HybridForCausalLM]] = {
     NEMOTRON_H: NemotronHForCausalLM,
@@ -10,6 +11,6 @@ MODEL_CLASSES: dict[str, type[HybridForCausalLM]] = {
 }
 
 
-def build_model(config: HybridConfig) -> HybridForCausalLM:
-    """Instantiate the model class for `config.architecture` (weights uninitialized)."""
-    return MODEL_CLASSES[config.architecture](config)
+def build_model(config: HybridConfig, *, ops: KernelOps) -> HybridForCausalLM:
+    """Instantiate the model class for `config.architecture` running `ops` (weights uninitialized)."""
+    return MODEL_CLASSES[config.architecture](config, ops=ops)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from hybrid_engine.engine import LLMEngine
+from hybrid_engine.prompts import RequestLimits
 from hybrid_engine.request import RequestOutput
 from hybrid_engine.sampling_params import SamplingParams
 from hybrid_engine.server.metrics import ServerMetrics
@@ -72,9 +73,14 @@ class EngineInfo:
         return self.total_kv_blocks * self.kv_block_size
 
     @property
+    def limits(self) -> RequestLimits:
+        """What a request must fit (what `hybrid_engine.prompts` checks against)."""
+        return RequestLimits(vocab_size=self.vocab_size, max_model_len=self.max_model_len, kv_tokens=self.kv_tokens)
+
+    @property
     def max_request_tokens(self) -> int:
         """Largest prompt + output of one request: the context and the cache both bound it."""
-        return min(self.max_model_len, self.kv_tokens)
+        return self.limits.max_request_tokens
 
 
 @dataclass
@@ -95,7 +101,7 @@ class _Add:
 
 @dataclass
 class _Abort:
-    request_ids: list[str]
+    request_ids: list[str] | None  # None: every request in flight
 
 
 class _Stop:
@@ -179,7 +185,7 @@ class AsyncLLM:
         """Queue one engine request per (prompt token ids, params); returns once the engine took them.
 
         Raises ValueError (invalid request, nothing queued), QueueFull, EngineUnavailable,
-        or whatever else `add_request` raised. Engine request ids are `{request_id}-{i}`.
+        or whatever else `add_requests` raised. Engine request ids are `{request_id}-{i}`.
         """
         request_ids = [f"{request_id}-{i}" for i in range(len(requests))]
         route = _Route(asyncio.get_running_loop(), asyncio.Queue())
@@ -200,6 +206,10 @@ class AsyncLLM:
     def abort(self, request_ids: list[str]) -> None:
         """Ask the engine thread to abort these requests (thread-safe, idempotent)."""
         self._commands.put(_Abort(request_ids))
+
+    def abort_all(self) -> None:
+        """Ask the engine thread to abort every request in flight (their callers get finish_reason "abort")."""
+        self._commands.put(_Abort(None))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort everything in flight, stop the engine thread and wait for it (idempotent)."""
@@ -269,7 +279,7 @@ class AsyncLLM:
             if isinstance(command, _Add):
                 self._add(engine, command)
             else:
-                for request_id in command.request_ids:
+                for request_id in list(self._routes) if command.request_ids is None else command.request_ids:
                     if request_id in self._routes:
                         engine.abort_request(request_id)
 
@@ -282,16 +292,12 @@ class AsyncLLM:
                 f"the server is at capacity ({len(self._routes)} requests in flight, at most {self.max_in_flight}); "
                 f"retry later"))
             return
-        added: list[str] = []
-        try:
-            for request_id, (prompt, params) in zip(command.request_ids, command.requests):
-                engine.add_request(request_id, prompt, params)
-                added.append(request_id)
+        try:  # all of an API call's prompts run, or none
+            engine.add_requests([(request_id, prompt, params)
+                                 for request_id, (prompt, params) in zip(command.request_ids, command.requests)])
         except Exception as exc:
             if not isinstance(exc, ValueError):
-                logger.exception("add_request failed for %s", command.request_ids[len(added)])
-            for request_id in added:  # all of an API call's prompts run, or none
-                engine.abort_request(request_id)
+                logger.exception("add_requests failed for %s", command.request_ids)
             command.accepted.set_exception(exc)
             return
         for request_id, (prompt, _) in zip(command.request_ids, command.requests):

@@ -19,7 +19,8 @@ class ChatHandler(OpenAIServing):
     async def create(self, request: ChatCompletionRequest) -> Response:
         """Validate, run, and answer one chat completions request."""
         self.check_model(request.model)
-        prompt = self.check_prompt(self._render(request.messages), "messages")
+        # The template already holds any special tokens (BOS included) it wants.
+        prompt = self.prompt_ids(self._render(request.messages), "messages", add_special_tokens=False)
         max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         params = self.sampling_params(request, len(prompt), request.requested_max_tokens, max_param,
                                       request.num_logprobs)
@@ -35,8 +36,8 @@ class ChatHandler(OpenAIServing):
                                           usage=usage(len(out.prompt_token_ids), len(out.output_token_ids)))
         return Response(response.model_dump_json(), media_type="application/json")
 
-    def _render(self, messages: list[ChatMessage]) -> list[int]:
-        """Prompt token ids: the chat template rendered to text (with the assistant prefix), then encoded."""
+    def _render(self, messages: list[ChatMessage]) -> str:
+        """The prompt text: the chat template rendered with the assistant prefix."""
         tokenizer = self.info.tokenizer
         if tokenizer is None:
             raise APIError("this model has no tokenizer (and so no chat template): use /v1/completions with token "
@@ -44,12 +45,10 @@ class ChatHandler(OpenAIServing):
         try:
             # Render to text, then encode: transformers 5 returns a BatchEncoding (not ids)
             # from apply_chat_template(tokenize=True).
-            text = tokenizer.apply_chat_template([m.template_dict() for m in messages], tokenize=False,
+            return tokenizer.apply_chat_template([m.template_dict() for m in messages], tokenize=False,
                                                  add_generation_prompt=True)
         except Exception as exc:  # no template, or the template rejects these messages
             raise APIError(f"the chat template cannot render these messages: {exc}", param="messages") from exc
-        # The template already holds any special tokens (BOS included) it wants.
-        return self.encode(text, "messages", add_special_tokens=False)
 
     async def _chunks(self, request: ChatCompletionRequest, request_id: str,
                       generation: Generation) -> AsyncIterator[ChatCompletionChunk]:

@@ -1,5 +1,6 @@
 """`serve_hybrid.py` command line: engine flags, server flags, start-up and clean shutdown."""
 import argparse
+import asyncio
 import logging
 import signal
 from types import FrameType
@@ -27,7 +28,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="'cuda' or 'cpu' (default: cuda when available)")
     p.add_argument("--dtype", default="auto", choices=sorted(DTYPES))
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests in the running batch (Mamba slots)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step (default: max(8192 on CUDA / 2048 on CPU, --max-num-seqs))")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: sized from memory)")
     p.add_argument("--kv-block-size", type=int, default=None, help="tokens per KV block")
@@ -58,6 +60,28 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+# After --shutdown-timeout the in-flight requests are aborted; this long is left for their
+# final "abort" responses to reach the clients before uvicorn cancels what still runs.
+_ABORT_GRACE_S = 5.0
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose shutdown aborts the engine's in-flight requests after `abort_after`
+    seconds, so their clients get a complete response with finish_reason "abort" rather than a
+    dropped connection."""
+
+    def __init__(self, config: uvicorn.Config, llm: AsyncLLM, abort_after: float):
+        super().__init__(config)
+        self._llm, self._abort_after = llm, abort_after
+
+    async def shutdown(self, sockets=None) -> None:
+        timer = asyncio.get_running_loop().call_later(self._abort_after, self._llm.abort_all)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+
 def _exit_now(signum: int, _: FrameType | None) -> None:
     raise SystemExit(0)
 
@@ -84,14 +108,15 @@ def main(argv: list[str] | None = None) -> int:
         args.max_waiting_requests, info.kv_tokens, info.total_kv_blocks, info.kv_block_size, info.max_request_tokens,
     )
     # uvicorn handles SIGTERM/SIGINT while serving (stop accepting, let open requests
-    # finish for --shutdown-timeout, cancel the rest, run the app's shutdown), then
+    # finish for --shutdown-timeout, after which _DrainingServer aborts the rest in the
+    # engine and they answer with finish_reason "abort", run the app's shutdown), then
     # restores the previous handlers and re-raises the signal; a no-op handler makes
     # that re-raise a clean exit 0 instead of a kill.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    server = uvicorn.Server(uvicorn.Config(build_app(llm, served), host=args.host, port=args.port,
-                                           log_level=args.log_level,
-                                           timeout_graceful_shutdown=args.shutdown_timeout))
+    config = uvicorn.Config(build_app(llm, served), host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout + _ABORT_GRACE_S)
+    server = _DrainingServer(config, llm, abort_after=args.shutdown_timeout)
     try:
         server.run()
     finally:

@@ -18,8 +18,7 @@ class CompletionsHandler(OpenAIServing):
         """Validate, run, and answer one completions request."""
         self.check_model(request.model)
         self.check_num_prompts(len(request.prompt))
-        prompts = [self.check_prompt(p if isinstance(p, list) else self.encode(p, "prompt"), "prompt")
-                   for p in request.prompt]
+        prompts = [self.prompt_ids(p, "prompt") for p in request.prompt]
         requests = [(ids, self.sampling_params(request, len(ids), request.max_tokens, "max_tokens", request.logprobs))
                     for ids in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"

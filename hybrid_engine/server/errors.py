@@ -13,6 +13,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hybrid_engine.prompts import ContextLengthExceeded
+from hybrid_engine.sampling_params import ParameterError
+
 logger = logging.getLogger(__name__)
 
 INVALID_REQUEST = "invalid_request_error"
@@ -39,6 +42,15 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         """The HTTP response carrying this error."""
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def invalid_input(exc: ValueError) -> APIError:
+    """The 400 for a ValueError of the library's validation (`SamplingParams`,
+    `hybrid_engine.prompts`, `add_request`), naming the field when the error does."""
+    if isinstance(exc, ParameterError):
+        code = "context_length_exceeded" if isinstance(exc, ContextLengthExceeded) else "invalid_value"
+        return APIError(str(exc), param=exc.param, code=code)
+    return APIError(str(exc))
 
 
 def validation_error(exc: RequestValidationError) -> APIError:

@@ -1,10 +1,12 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic models).
 
 Requests are validated strictly: JSON types must match exactly (no "5" for 5, no true
-for 1), numbers must be finite and in range, unknown fields are refused (OpenAI answers
-"Unrecognized request argument" too), and `null` means "use the default". What needs
-the model to check (vocabulary, context length, the model name) is checked by the
-serving layer, which knows the engine.
+for 1), numbers must be finite, unknown fields are refused (OpenAI answers
+"Unrecognized request argument" too), and `null` means "use the default". The ranges of
+the sampling fields are `hybrid_engine.sampling_params.RANGES`, the ones `SamplingParams`
+enforces, so the schema (and the OpenAPI docs) accept exactly what the library does.
+What needs the model to check (vocabulary, context length, the model name) is checked by
+the serving layer, which knows the engine.
 """
 import time
 from typing import Any, Literal
@@ -12,13 +14,24 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-INT32_MAX = 2**31 - 1
-MAX_LOGPROBS = 20
-MAX_STOP_STRINGS = 16
+from hybrid_engine.sampling_params import MAX_STOP_STRINGS, RANGES, is_int
+
+# vLLM's request spelling of "top_k off"; the library's is 0 (see `sampling_kwargs`).
+TOP_K_OFF = -1
 
 
-def _is_token_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def ranged(default: Any, name: str, lo: int | None = None) -> Any:
+    """A Field constrained to `SamplingParams`' range for field `name` (`RANGES[name]`);
+    `lo` lowers the minimum for a request-only spelling that maps onto a library value."""
+    valid = RANGES[name]
+    bounds: dict[str, Any] = {}
+    if lo is not None:
+        bounds["ge"] = lo
+    elif valid.lo is not None:
+        bounds["gt" if valid.lo_open else "ge"] = valid.lo
+    if valid.hi is not None:
+        bounds["le"] = valid.hi
+    return Field(default, **bounds)
 
 
 class StrictModel(BaseModel):
@@ -46,7 +59,7 @@ class SamplingRequest(StrictModel):
     """Fields both endpoints share: model, streaming, and the sampling parameters.
 
     Beyond OpenAI's fields this accepts vLLM's extensions (top_k, min_p,
-    repetition_penalty, ignore_eos, stop_token_ids, ...). `top_k` -1 or 0 means off.
+    repetition_penalty, ignore_eos, stop_token_ids, ...). `top_k` -1 (vLLM) or 0 means off.
     """
 
     model: str | None = None
@@ -54,15 +67,15 @@ class SamplingRequest(StrictModel):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1)
     user: str | None = None  # accepted for compatibility; not used
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, le=INT32_MAX)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
-    seed: int | None = Field(None, ge=0, le=2**64 - 1)
+    max_tokens: int | None = ranged(None, "max_tokens")
+    temperature: float = ranged(1.0, "temperature")
+    top_p: float = ranged(1.0, "top_p")
+    top_k: int = ranged(0, "top_k", lo=TOP_K_OFF)
+    min_p: float = ranged(0.0, "min_p")
+    presence_penalty: float = ranged(0.0, "presence_penalty")
+    frequency_penalty: float = ranged(0.0, "frequency_penalty")
+    repetition_penalty: float = ranged(1.0, "repetition_penalty")
+    seed: int | None = ranged(None, "seed")
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
@@ -99,7 +112,8 @@ class SamplingRequest(StrictModel):
     def sampling_kwargs(self) -> dict[str, Any]:
         """The SamplingParams fields these request fields map to (max_tokens and logprobs aside)."""
         return dict(
-            temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
+            temperature=self.temperature, top_p=self.top_p, top_k=0 if self.top_k == TOP_K_OFF else self.top_k,
+            min_p=self.min_p,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, seed=self.seed, stop=self.stop or None,
             stop_token_ids=self.stop_token_ids or None, ignore_eos=self.ignore_eos,
@@ -116,7 +130,7 @@ class CompletionRequest(SamplingRequest):
     """POST /v1/completions. Several prompts give several choices (by index)."""
 
     prompt: list[Prompt]
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = ranged(None, "logprobs")
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -128,9 +142,9 @@ class CompletionRequest(SamplingRequest):
         if isinstance(value, list) and value:
             if all(isinstance(p, str) for p in value):
                 return value
-            if all(_is_token_id(t) for t in value):
+            if all(is_int(t) for t in value):
                 return [value]
-            if all(isinstance(p, list) and all(_is_token_id(t) for t in p) for p in value):
+            if all(isinstance(p, list) and all(is_int(t) for t in p) for p in value):
                 if not all(value):
                     raise ValueError("prompt must not be empty")
                 return value
@@ -180,9 +194,9 @@ class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions (`max_completion_tokens` wins over the older `max_tokens`)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = ranged(None, "max_tokens")
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = ranged(None, "logprobs")
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":

@@ -2,8 +2,10 @@
 logprob rows, and the two response modes (collect everything, or stream SSE).
 
 A validated request becomes engine inputs here: prompts are tokenized on the event loop
-(with the front end's own tokenizer copy) so that every "bad prompt" answer -- empty,
-out-of-vocabulary id, too long -- is a 400 decided before anything is queued.
+(with the front end's own tokenizer copy) and checked with the engine's own checks
+(`hybrid_engine.prompts`, `SamplingParams`), so that every "bad request" answer -- empty,
+out-of-vocabulary id, too long, out of range -- is a 400 naming the field, decided
+before anything is queued.
 """
 import json
 import logging
@@ -14,10 +16,11 @@ from pydantic import BaseModel
 from starlette.background import BackgroundTask
 from starlette.responses import StreamingResponse
 
+from hybrid_engine.prompts import check_max_tokens, check_params, check_prompt, encode_prompt
 from hybrid_engine.request import RequestOutput
 from hybrid_engine.sampling_params import SamplingParams
 from hybrid_engine.server.async_llm import AsyncLLM, EngineUnavailable, Generation, QueueFull, RequestFailed
-from hybrid_engine.server.errors import RATE_LIMIT, SERVER_ERROR, APIError
+from hybrid_engine.server.errors import RATE_LIMIT, SERVER_ERROR, APIError, invalid_input
 from hybrid_engine.server.protocol import SamplingRequest, UsageInfo
 
 logger = logging.getLogger(__name__)
@@ -73,48 +76,31 @@ class OpenAIServing:
             raise APIError(f"the model {model!r} does not exist; this server serves {self.served_model_name!r}",
                            status=404, param="model", code="model_not_found")
 
-    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
-        """Tokenize prompt text; 400 if the model has no tokenizer."""
-        if self.info.tokenizer is None:
-            raise APIError("this model has no tokenizer: send the prompt as token ids", param=param)
-        return self.info.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    def check_prompt(self, token_ids: list[int], param: str) -> list[int]:
-        """400 for an empty prompt, an id outside the vocabulary, or no room left to generate."""
-        if not token_ids:
-            raise APIError("the prompt must not be empty", param=param)
-        vocab = self.info.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(f"token id {bad} is out of vocabulary (vocab_size {vocab})", param=param)
-        limit = self.info.max_request_tokens
-        if len(token_ids) >= limit:
-            raise APIError(f"the prompt has {len(token_ids)} tokens; this model's maximum context length is {limit} "
-                           f"tokens, which must include at least one generated token", param=param,
-                           code="context_length_exceeded")
+    def prompt_ids(self, prompt: str | list[int], param: str, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's token ids, checked against the model (`hybrid_engine.prompts`, as the
+        engine checks it): 400 naming `param` for no tokenizer, an empty prompt, an id outside
+        the vocabulary, or no room left to generate."""
+        try:
+            token_ids = encode_prompt(prompt, self.info.tokenizer, param, add_special_tokens)
+            check_prompt(token_ids, self.info.limits, param)
+        except ValueError as exc:
+            raise invalid_input(exc) from exc
         return token_ids
 
     def sampling_params(self, request: SamplingRequest, prompt_len: int, max_tokens: int | None,
                         max_tokens_param: str, logprobs: int | None) -> SamplingParams:
-        """Engine params; an unset max_tokens means all the room the context leaves (as vLLM)."""
-        limit = self.info.max_request_tokens
-        room = limit - prompt_len
-        if max_tokens is not None and max_tokens > room:
-            raise APIError(f"this model's maximum context length is {limit} tokens; the request asks for "
-                           f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} to generate): "
-                           f"lower {max_tokens_param} to at most {room}", param=max_tokens_param,
-                           code="context_length_exceeded")
-        bad = next((t for t in request.stop_token_ids if not 0 <= t < self.info.vocab_size), None)
-        if bad is not None:
-            raise APIError(f"stop_token_ids: token id {bad} is out of vocabulary (vocab_size {self.info.vocab_size})",
-                           param="stop_token_ids")
-        if request.stop and self.info.tokenizer is None:
-            raise APIError("stop strings need a tokenizer and this model has none: use stop_token_ids", param="stop")
+        """Engine params, checked as the engine checks them (400 naming the field); an unset
+        max_tokens means all the room the context leaves (as vLLM)."""
+        limits = self.info.limits
         try:
-            return SamplingParams(max_tokens=room if max_tokens is None else max_tokens, logprobs=logprobs,
-                                  **request.sampling_kwargs())
+            if max_tokens is not None:
+                check_max_tokens(prompt_len, max_tokens, limits, max_tokens_param)
+            params = SamplingParams(max_tokens=limits.max_request_tokens - prompt_len if max_tokens is None
+                                    else max_tokens, logprobs=logprobs, **request.sampling_kwargs())
+            check_params(params, limits, self.info.tokenizer)
         except ValueError as exc:
-            raise APIError(str(exc)) from exc
+            raise invalid_input(exc) from exc
+        return params
 
     def token_text(self, token_id: int) -> str:
         """A token's text for logprobs (`token_id:N` when the model has no tokenizer, as vLLM)."""
@@ -140,7 +126,7 @@ class OpenAIServing:
             raise APIError(str(exc), status=503, type=SERVER_ERROR, code="engine_unavailable",
                            headers={"Retry-After": RETRY_AFTER_S}) from exc
         except ValueError as exc:
-            raise APIError(str(exc)) from exc
+            raise invalid_input(exc) from exc
         except Exception as exc:
             raise APIError(f"the engine could not take the request: {type(exc).__name__}: {exc}", status=500,
                            type=SERVER_ERROR, code="internal_error") from exc

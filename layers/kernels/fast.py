@@ -4,9 +4,9 @@ import importlib
 from typing import Callable
 
 # Module under layers.kernels.triton -> the ops it implements. A family whose module fails
-# to import (Triton missing, or fla-core missing for the SSD scan) keeps the reference ops.
+# to import (Triton missing) keeps the reference ops, the others stay fast.
 # The MoE routers are not listed: the reference routers are already sync-free torch ops.
-_FAMILIES: dict[str, tuple[str, ...]] = {
+FAMILIES: dict[str, tuple[str, ...]] = {
     "norm": ("rms_norm", "gated_rms_norm"),
     "conv1d": ("causal_conv1d_varlen", "causal_conv1d_update"),
     "ssd": ("ssd_chunk_scan_varlen",),
@@ -17,9 +17,9 @@ _FAMILIES: dict[str, tuple[str, ...]] = {
 
 
 def available_ops() -> dict[str, Callable]:
-    """Op family name -> fast implementation, for the families available on this machine."""
+    """Op name -> fast implementation, for the families available on this machine."""
     found: dict[str, Callable] = {}
-    for module_name, op_names in _FAMILIES.items():
+    for module_name, op_names in FAMILIES.items():
         try:
             module = importlib.import_module(f"layers.kernels.triton.{module_name}")
         except ImportError:

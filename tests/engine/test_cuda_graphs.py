@@ -1,6 +1,5 @@
 """Decode CUDA graphs: same tokens as eager, with and without launch-ahead (GPU only)."""
 import pytest
-import torch
 
 from hybrid_engine import LLM, SamplingParams
 
@@ -58,9 +57,9 @@ def test_async_graphs_equal_serial_eager_with_rejections():
     assert_same_tokens(_run(12, 40, seeded=True, dtype="float32", inject_rejection_rate=0.3), serial_eager)
 
 
-def test_bf16_graphs_agree_with_eager():
+def test_bf16_graphs_equal_eager():
+    """32 requests decode as one batch of 32, a captured size: the replayed graph runs the same
+    kernels on the same shapes as eager, so even bf16 tokens are identical."""
     on = _run(32, 256, dtype="bfloat16")
     off = _run(32, 256, dtype="bfloat16", cuda_graphs=False)
-    same = sum(a == b for x, y in zip(on, off) for a, b in zip(x, y))
-    assert same >= 0.99 * 32 * 256, same / (32 * 256)
-    assert torch.cuda.is_available()
+    assert_same_tokens(on, off)

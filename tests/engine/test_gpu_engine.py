@@ -17,13 +17,15 @@ def _generate(**kwargs) -> list:
 
 
 def test_fp32_gpu_matches_cpu_reference():
-    """Greedy and seeded tokens on CUDA (fast kernels, launch-ahead) == the CPU reference path."""
+    """Greedy and seeded tokens on CUDA (fast kernels, launch-ahead) == the CPU reference path.
+
+    The noise is bit-identical on both devices (integer hash) and fp32 logits agree to ~1e-6,
+    so a seeded row could only flip where two noisy scores tie that closely: no likelier than
+    a greedy near-tie, and these prompts have none.
+    """
     cpu = _generate(device="cpu", dtype="float32", async_scheduling=False)
     gpu = _generate(device="cuda", dtype="float32")
-    greedy = [i for i in range(len(PROMPTS)) if i % 2]
-    assert [gpu[i] for i in greedy] == [cpu[i] for i in greedy]
-    agree = sum(a == b for i in range(len(PROMPTS)) for a, b in zip(gpu[i][0], cpu[i][0]))
-    assert agree >= 0.9 * 32 * len(PROMPTS)  # sampled rows may flip on near-ties only
+    assert gpu == cpu
 
 
 def test_gpu_async_equals_serial_with_rejections():
@@ -32,7 +34,12 @@ def test_gpu_async_equals_serial_with_rejections():
     assert launched == serial
 
 
-def test_bf16_gpu_generation_runs():
+def test_bf16_gpu_generation_is_reproducible():
+    """bf16 on CUDA: bf16 weights, every request runs to its length, and a second engine
+    reproduces every token (output independence holds in bf16 too)."""
+    llm = LLM(device="cuda", dtype="bfloat16", max_num_seqs=8, kv_block_size=16)
+    weights = max(llm.engine.model.parameters(), key=torch.Tensor.numel)
+    assert weights.dtype == torch.bfloat16 and weights.is_cuda
     out = _generate(device="cuda", dtype="bfloat16")
     assert all(len(tokens) == 32 and reason == "length" for tokens, reason in out)
-    assert torch.cuda.memory_allocated() > 0
+    assert _generate(device="cuda", dtype="bfloat16") == out

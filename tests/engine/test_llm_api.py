@@ -1,4 +1,4 @@
-"""The offline API as ARCHITECTURE.md promises it: `LLM().generate(...)` on the embedded model,
+"""The offline API as README.md documents it: `LLM().generate(...)` on the embedded model,
 every prompt form, outputs in prompt order, logprobs shape, tqdm on and off."""
 import math
 

@@ -1,9 +1,13 @@
-"""Request validation through `LLMEngine.add_request` (ValueError naming the field, nothing
-changed, engine keeps serving) and the sampling knobs end to end: penalties / top-k / top-p /
-min-p change outputs, stay deterministic with a seed, and are batch-independent."""
+"""Request validation: `SamplingParams` (ParameterError naming the field), the model-dependent
+checks of `hybrid_engine.prompts`, and `LLMEngine.add_request` (ValueError naming the field,
+nothing changed, engine keeps serving); then the sampling knobs end to end: penalties / top-k /
+top-p / min-p change outputs, stay deterministic with a seed, and are batch-independent."""
 import pytest
 
 from hybrid_engine import SamplingParams
+from hybrid_engine.prompts import ContextLengthExceeded, RequestLimits, check_prompt, validate_request
+from hybrid_engine.sampling_params import MAX_STOP_STRINGS, ParameterError
+from hybrid_engine.tokenizer import build_byte_tokenizer
 from tests.engine.engine_helpers import assert_drained, assert_mode_ran, byte_prompt, drive, greedy, seeded
 
 OK_PROMPT = byte_prompt(8, 1)
@@ -20,11 +24,18 @@ BAD_PARAMS = [
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"presence_penalty": 3.0}, "presence_penalty"),
     ({"seed": -1}, "seed"),
+    ({"seed": 2**63}, "seed"),  # seeds fill an int64
+    ({"temperature": float("inf")}, "temperature"),
+    ({"top_p": float("nan")}, "top_p"),
+    ({"repetition_penalty": 1e39}, "repetition_penalty"),  # beyond float32: inf in the sampler
     ({"logprobs": 21}, "logprobs"),
+    ({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}, "stop"),
     ({"stop_token_ids": [-3]}, "stop_token_ids"),
     ({"stop": 5}, "stop"),
     ({"max_tokens": 4, "bogus_knob": 1}, "bogus_knob"),
 ]
+# Valid for SamplingParams, invalid for the model serving it (the embedded vocab is 261).
+MODEL_BAD_PARAMS = [({"stop_token_ids": [261]}, "stop_token_ids")]
 
 
 @pytest.fixture
@@ -47,7 +58,7 @@ def _assert_rejected(eng, request_id, prompt, params, field):
     assert eng.stats() == before
 
 
-@pytest.mark.parametrize("params,field", BAD_PARAMS, ids=[f for _, f in BAD_PARAMS])
+@pytest.mark.parametrize("params,field", BAD_PARAMS + MODEL_BAD_PARAMS, ids=[f for _, f in BAD_PARAMS + MODEL_BAD_PARAMS])
 def test_bad_params_rejected_and_engine_keeps_serving(busy_engine, solo, params, field):
     eng = busy_engine
     _assert_rejected(eng, "bad", OK_PROMPT, params, field)
@@ -62,8 +73,66 @@ def test_bad_params_rejected_and_engine_keeps_serving(busy_engine, solo, params,
 
 @pytest.mark.parametrize("params,field", BAD_PARAMS[:-1], ids=[f for _, f in BAD_PARAMS[:-1]])
 def test_sampling_params_constructor_validates(params, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ParameterError, match=field) as info:
         SamplingParams(**params)
+    assert info.value.param == field
+
+
+def test_unknown_key_is_named():
+    with pytest.raises(ParameterError, match="bogus_knob") as info:
+        SamplingParams.from_dict({"max_tokens": 4, "bogus_knob": 1})
+    assert info.value.param == "bogus_knob"
+
+
+def test_values_are_normalised():
+    """Ints given for float fields become floats; a single stop string becomes a list."""
+    p = SamplingParams(temperature=2, top_p=1, repetition_penalty=300, stop="x")
+    assert (p.temperature, p.top_p, p.repetition_penalty, p.stop) == (2.0, 1.0, 300.0, ["x"])
+    assert all(type(v) is float for v in (p.temperature, p.top_p, p.repetition_penalty))
+
+
+# ---- model-dependent checks (hybrid_engine.prompts) -------------------------------------
+# The embedded model's numbers: vocab 261; a context of 100 and a KV cache of 128 tokens.
+LIMITS = RequestLimits(vocab_size=261, max_model_len=100, kv_tokens=128)
+BYTE_TOKENIZER = build_byte_tokenizer()
+
+BAD_REQUESTS = [  # (prompt, params, tokenizer, limits, field, message fragment, too long)
+    ("", greedy(4), BYTE_TOKENIZER, LIMITS, "prompt", "empty", False),
+    ([], greedy(4), BYTE_TOKENIZER, LIMITS, "prompt", "empty", False),
+    ([5, 261], greedy(4), BYTE_TOKENIZER, LIMITS, "prompt", "261", False),
+    ([5, True], greedy(4), BYTE_TOKENIZER, LIMITS, "prompt", "token ids", False),
+    ({"ids": [5]}, greedy(4), BYTE_TOKENIZER, LIMITS, "prompt", "token ids", False),
+    ("text", greedy(4), None, LIMITS, "prompt", "tokenizer", False),
+    (byte_prompt(100), greedy(1), BYTE_TOKENIZER, LIMITS, "prompt", "at least one generated token", True),
+    (byte_prompt(90), greedy(11), BYTE_TOKENIZER, LIMITS, "max_tokens", "maximum context length (100", True),
+    (byte_prompt(50), greedy(20), BYTE_TOKENIZER, RequestLimits(261, 100, 64), "max_tokens", "KV cache (64", True),
+    ([5], greedy(4, stop_token_ids=[261]), BYTE_TOKENIZER, LIMITS, "stop_token_ids", "261", False),
+    ([5], greedy(4, stop=["x"]), None, LIMITS, "stop", "tokenizer", False),
+]
+
+
+@pytest.mark.parametrize("prompt, params, tokenizer, limits, field, fragment, too_long", BAD_REQUESTS,
+                         ids=["empty_str", "empty_ids", "oov", "bool", "dict", "no_tokenizer", "no_room",
+                              "context", "kv_cache", "stop_token_oov", "stop_no_tokenizer"])
+def test_validate_request_names_the_field(prompt, params, tokenizer, limits, field, fragment, too_long):
+    with pytest.raises(ParameterError, match=field) as info:
+        validate_request(prompt, params, limits, tokenizer)
+    assert info.value.param == field and fragment in str(info.value)
+    assert isinstance(info.value, ContextLengthExceeded) == too_long
+
+
+def test_validate_request_returns_token_ids():
+    assert validate_request("hi", greedy(4), LIMITS, BYTE_TOKENIZER) == BYTE_TOKENIZER.encode("hi")
+    assert validate_request((7, 8), greedy(4), LIMITS, None) == [7, 8]
+    # The whole context: 99 prompt tokens + 1 generated = max_model_len.
+    assert validate_request(byte_prompt(99), greedy(1), LIMITS, None) == byte_prompt(99)
+
+
+def test_check_prompt_names_the_callers_field():
+    """The server checks chat prompts under the name "messages"."""
+    with pytest.raises(ParameterError) as info:
+        check_prompt([], LIMITS, field="messages")
+    assert info.value.param == "messages" and str(info.value).startswith("messages")
 
 
 BAD_PROMPTS = [

@@ -301,10 +301,20 @@ def test_failing_request_ends_alone_with_error(make_llm):
     assert stats["free_mamba_slots"] == stats["total_mamba_slots"]
 
 
-def test_huge_top_k_is_off_not_an_overflow(make_llm):
+def test_top_k_zero_or_beyond_vocab_is_off_and_top_k_one_is_greedy(make_llm):
+    """top_k=0 means "no top-k": a seeded draw equals the one with top_k = vocab size or any
+    larger value (2**40 does not overflow), and differs from top_k=1, which is greedy."""
     from hybrid_engine import SamplingParams
 
     llm = make_llm()
-    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, top_k=2**40, seed=1, ignore_eos=True),
-                       use_tqdm=False)[0]
-    assert len(out.output_token_ids) == 4
+    vocab = llm.engine.model_config.vocab_size
+
+    def tokens(**kw) -> list[int]:
+        params = SamplingParams(**{"max_tokens": 8, "temperature": 1.0, "seed": 1, "ignore_eos": True, **kw})
+        return llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].output_token_ids
+
+    off = tokens(top_k=0)
+    assert tokens(top_k=vocab) == off and tokens(top_k=2**40) == off
+    greedy = tokens(temperature=0.0)
+    assert tokens(top_k=1) == greedy
+    assert off != greedy  # the seeded draw really samples (so the equalities above mean something)

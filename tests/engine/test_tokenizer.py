@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from hybrid_engine.tokenizer import (
 
 @pytest.fixture(scope="module")
 def byte_tok():
-    """One byte tokenizer shared by the tests that do not time or mutate it."""
+    """One byte tokenizer shared by the tests that do not mutate it."""
     return build_byte_tokenizer()
 
 
@@ -56,7 +55,7 @@ def test_special_tokens_in_text_and_skipping(byte_tok):
     assert byte_tok.decode(ids) == "<|im_start|>hi<|im_end|><|eos|>"
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, derandomize=True)  # fixed seed: CI runs are reproducible
 @given(st.text())
 def test_round_trip_property(text):
     tok = build_byte_tokenizer()
@@ -65,13 +64,6 @@ def test_round_trip_property(text):
     # Special-token strings in the text encode as the special token; all else is bytes.
     if not any(t in text for t in tok.all_special_tokens):
         assert ids == list(text.encode("utf-8"))
-
-
-def test_build_is_fast():
-    build_byte_tokenizer()  # warm imports
-    start = time.perf_counter()
-    build_byte_tokenizer()
-    assert time.perf_counter() - start < 0.5
 
 
 def test_chat_template(byte_tok):

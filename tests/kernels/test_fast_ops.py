@@ -1,4 +1,4 @@
-"""Fast (Triton) ops against the reference ops, on fresh random inputs.
+"""Fast (Triton) ops against the reference ops, on seeded random inputs.
 
 Run on a GPU: `python -m pytest tests/kernels -m gpu -q`. Without CUDA these tests skip,
 unless TRITON_INTERPRET=1, which runs the own Triton kernels on the CPU through Triton's
@@ -9,11 +9,13 @@ State pools are poisoned with NaN at the slots an op must write, and every slot 
 must not write is compared bit for bit afterwards.
 """
 import os
+import zlib
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from layers.kernels import OP_NAMES
 from layers.kernels import reference as ref
 
 pytestmark = pytest.mark.gpu
@@ -35,12 +37,10 @@ TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 
 
 @pytest.fixture(autouse=True)
-def fresh_seed() -> int:
-    """A new seed every run (fresh inputs); it is printed with any failure."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    torch.manual_seed(seed)
-    print(f"seed={seed}")
-    return seed
+def fixed_seed(request: pytest.FixtureRequest) -> None:
+    """A fixed seed per test case (from its id): every run sees the same inputs, and the
+    cases differ from each other."""
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 def rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
@@ -225,8 +225,8 @@ def test_ssd_chunk_scan_varlen(dtype: torch.dtype, lens: list[int], padded: list
         states[dst[valid]] = float("nan")
     x, dt, a, b, c, d_skip = _ssm_inputs(tokens, heads, head_dim, groups, state, dtype)
     expected_states = states.clone()
-    expected = ref.ssd_chunk_scan_varlen(x, dt, a, b, c, d_skip, cu, expected_states, src, dst, 64)
-    out = ssd.ssd_chunk_scan_varlen(x, dt, a, b, c, d_skip, cu, states, src, dst, 128)
+    expected = ref.ssd_chunk_scan_varlen(x, dt, a, b, c, d_skip, cu, expected_states, src, dst)
+    out = ssd.ssd_chunk_scan_varlen(x, dt, a, b, c, d_skip, cu, states, src, dst)
     assert_close(out[tok_valid], expected[tok_valid], TOL[dtype])
     assert (out[~tok_valid] == 0).all()
     check_pool(states, expected_states, dst[valid], TOL[dtype])
@@ -342,11 +342,10 @@ def test_moe_experts(dtype: torch.dtype, tokens: int, activation: str, torch_gro
 
 
 def test_available_ops_has_every_family() -> None:
+    """With Triton present every family imports: all ops but the (reference) routers are fast."""
     from layers.kernels import fast
 
-    expected = {"rms_norm", "gated_rms_norm", "causal_conv1d_varlen", "causal_conv1d_update", "ssd_chunk_scan_varlen",
-                "ssm_state_update", "write_kv_cache", "paged_attention", "moe_experts"}
-    assert expected == set(fast.available_ops())
+    assert set(fast.available_ops()) == set(OP_NAMES) - {"route_sigmoid_grouped", "route_softmax_topk"}
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need CUDA")

@@ -32,11 +32,24 @@ GRANITE_DENSE_NOPE = dict(
     mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=16, num_local_experts=0,
     position_embedding_type="nope", eos_token_id=2,
 )
+# For the scheduling-path oracle tests (test_hf_oracle_paths.py). initializer_range 0.3 and
+# untied Granite embeddings give peaked, varied greedy outputs (with the defaults a tiny
+# random model repeats one token from near-uniform logits, which proves little). The dt
+# limit binds: transformers applies it to prompt tokens (chunked scan) and not to generated
+# ones (recurrent update), a split that chunking and evict-and-recompute must keep. NemotronH
+# clamps dt >= time_step_min (its dt_bias init draws dt from [time_step_min, time_step_max]);
+# GraniteMoeHybrid clamps to time_step_limit. position_embedding_type None is transformers' NoPE.
+NEMOTRON_MOE_SHARP = dict(NEMOTRON_MOE, initializer_range=0.3, time_step_min=0.05, time_step_max=0.1)
+GRANITE_MOE_ROPE_SHARP = dict(GRANITE_MOE_ROPE, initializer_range=0.3, tie_word_embeddings=False)
+GRANITE_MOE_NOPE_SHARP = dict(GRANITE_MOE_ROPE_SHARP, position_embedding_type=None, time_step_limit=(0.0, 0.06))
 CHECKPOINTS = {
     "nemotron_moe": ("NemotronHConfig", "NemotronHForCausalLM", NEMOTRON_MOE),
     "nemotron_latent": ("NemotronHConfig", "NemotronHForCausalLM", NEMOTRON_LATENT),
     "granite_moe_rope": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", GRANITE_MOE_ROPE),
     "granite_dense_nope": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", GRANITE_DENSE_NOPE),
+    "nemotron_moe_sharp": ("NemotronHConfig", "NemotronHForCausalLM", NEMOTRON_MOE_SHARP),
+    "granite_moe_rope_sharp": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", GRANITE_MOE_ROPE_SHARP),
+    "granite_moe_nope_sharp": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", GRANITE_MOE_NOPE_SHARP),
 }
 
 
@@ -62,7 +75,7 @@ def make_hf_checkpoint(path, name: str, seed: int = 0, **save_kwargs):
 
 @pytest.fixture(scope="session", params=sorted(CHECKPOINTS))
 def hf_checkpoint(request, tmp_path_factory):
-    """(name, checkpoint dir, HF model) for every tiny architecture variant."""
+    """(name, checkpoint dir, HF model) for every tiny architecture variant of CHECKPOINTS."""
     path = tmp_path_factory.mktemp(request.param)
     return request.param, str(path), make_hf_checkpoint(path, request.param)
 
@@ -102,3 +115,15 @@ class SingleSequence:
 
     def states(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(m.conv_state.clone(), m.ssm_state.clone()) for m in self.model.mamba_mixers()]
+
+
+@torch.no_grad()
+def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy continuation of `prompt` with its cache (prompt prefilled by the
+    chunked scan, each generated token a recurrent decode step: the engine's semantics), and
+    the log_softmax of its raw logits at every generated position ([max_new_tokens, vocab])."""
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                      do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
+                      return_dict_in_generate=True)
+    logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
+    return out.sequences[0, len(prompt):].tolist(), logprobs

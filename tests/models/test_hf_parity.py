@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from hybrid_engine import LLM, SamplingParams
-from tests.models.conftest import SingleSequence
+from tests.models.conftest import SingleSequence, hf_greedy
 
 PROMPT_LEN = 11
 
@@ -28,14 +28,10 @@ def test_greedy_generation_and_logprobs_match_hf(hf_checkpoint):
     outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=1),
                         use_tqdm=False)
     for prompt, out in zip(prompts, outs):
-        with torch.no_grad():
-            expected = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                                   eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        expected, hf_logprobs = hf_greedy(hf, prompt, 32)
         assert out.output_token_ids == expected
         assert out.finish_reason == "length"
-        with torch.no_grad():  # logprob of each chosen token under HF's full forward
-            full = hf(torch.tensor([prompt + expected])).logits[0, len(prompt) - 1:-1].float()
-        ref = torch.log_softmax(full, dim=-1).gather(1, torch.tensor(expected)[:, None])[:, 0]
+        ref = hf_logprobs.gather(1, torch.tensor(expected)[:, None])[:, 0]
         ours = torch.tensor([lp[t] for lp, t in zip(out.logprobs, out.output_token_ids)])
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
 

@@ -1,103 +1,87 @@
-"""Tests for the published-checkpoint presets in ``hybrid_engine.models.presets``."""
+"""The published-checkpoint presets (`hybrid_engine/models/preset_configs/*.json`): each one
+builds the model its model card describes, with exactly the parameters transformers builds
+from the same config.json."""
+import re
+from collections import Counter
 
 import pytest
+import torch
 import transformers
 
-from hybrid_engine.models.presets import PRESET_SOURCES, PRESETS, get_preset
+from hybrid_engine.models.config import parse_hf_config
+from hybrid_engine.models.loader import create_model
+from hybrid_engine.models.presets import get_preset, preset_names, preset_source
+from layers.kernels import REFERENCE_OPS
 
-NEMOTRON_H = "NemotronHForCausalLM"
-GRANITE_HYBRID = "GraniteMoeHybridForCausalLM"
-
-EXPECTED_NAMES = {
-    "nemotron-h-8b",
-    "nvidia-nemotron-nano-9b-v2",
-    "nemotron-3-nano-30b-a3b",
-    "granite-4.0-h-micro",
-    "granite-4.0-h-tiny",
+# What each model card states: layers by kind, total parameters and (MoE) active parameters
+# including embeddings. Card sizes are rounded to the billion ("8B"), hence SIZE_TOLERANCE.
+CARDS = {
+    "nemotron-h-8b": (Counter(mamba=24, mlp=24, attention=4), 8e9, None),
+    "nvidia-nemotron-nano-9b-v2": (Counter(mamba=27, mlp=25, attention=4), 9e9, None),
+    "nemotron-3-nano-30b-a3b": (Counter(mamba=23, moe=23, attention=6), 31.6e9, 3.6e9),
+    "granite-4.0-h-micro": (Counter(mamba=36, attention=4), 3e9, None),
+    "granite-4.0-h-tiny": (Counter(mamba=36, attention=4), 7e9, None),
 }
+SIZE_TOLERANCE = 0.08
+SOURCE_URL = re.compile(r"^https://huggingface\.co/[\w.-]+/[\w.-]+/blob/main/config\.json$")
 
 
-def _architecture(cfg: dict) -> str:
-    """Return the single architecture a preset declares."""
-    (architecture,) = cfg["architectures"]
-    return architecture
+def _meta_model(name: str):
+    config = parse_hf_config(get_preset(name))
+    model = create_model(config, torch.device("meta"), torch.bfloat16, ops=REFERENCE_OPS)
+    if config.tie_word_embeddings:
+        model.tie_embeddings()
+    return config, model
 
 
-def _layer_pattern(cfg: dict) -> list[str] | str | None:
-    """Return the per-layer pattern field of a preset, whichever spelling it uses."""
-    for key in ("hybrid_override_pattern", "layers_block_type", "layer_types"):
-        if key in cfg:
-            return cfg[key]
-    return None
+def _num_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # a tied table counts once
 
 
-def _names_of(architecture: str) -> list[str]:
-    """Return the names of the presets declaring ``architecture``."""
-    return [name for name, cfg in PRESETS.items() if _architecture(cfg) == architecture]
+def test_every_card_has_a_preset() -> None:
+    assert preset_names() == sorted(CARDS)
 
 
-def test_preset_names_and_sources() -> None:
-    assert set(PRESETS) == EXPECTED_NAMES
-    assert set(PRESET_SOURCES) == EXPECTED_NAMES
-    for name, source in PRESET_SOURCES.items():
-        assert source.startswith("https://huggingface.co/"), name
+@pytest.mark.parametrize("name", sorted(CARDS))
+def test_source_cites_the_published_config(name: str) -> None:
+    assert SOURCE_URL.match(preset_source(name)), preset_source(name)
+    assert not {"_source", "_notes"} & set(get_preset(name))  # ours, not the checkpoint's
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
-def test_architecture_is_supported(name: str) -> None:
-    assert _architecture(PRESETS[name]) in {NEMOTRON_H, GRANITE_HYBRID}
+def test_get_preset_returns_a_fresh_copy() -> None:
+    cfg = get_preset("granite-4.0-h-tiny")
+    cfg["layer_types"][0] = "attention"
+    cfg["hidden_size"] = -1
+    again = get_preset("granite-4.0-h-tiny")
+    assert again["layer_types"][0] == "mamba" and again["hidden_size"] == 1536
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
-def test_layer_pattern_matches_layer_count(name: str) -> None:
-    cfg = PRESETS[name]
-    pattern = _layer_pattern(cfg)
-    assert pattern is not None, f"{name} declares no layer pattern"
-    assert len(pattern) == cfg["num_hidden_layers"]
-
-
-def test_get_preset_returns_independent_copy() -> None:
-    for name in PRESETS:
-        cfg = get_preset(name)
-        assert cfg == PRESETS[name]
-        cfg["hidden_size"] = -1
-        cfg["architectures"].append("Mutated")
-        assert PRESETS[name]["hidden_size"] != -1
-        assert PRESETS[name]["architectures"] != cfg["architectures"]
-
-    tiny = get_preset("granite-4.0-h-tiny")
-    tiny["layer_types"][0] = "attention"
-    assert PRESETS["granite-4.0-h-tiny"]["layer_types"][0] == "mamba"
-    assert PRESETS["granite-4.0-h-micro"]["layer_types"][0] == "mamba"
-
-
-def test_get_preset_rejects_unknown_name() -> None:
+def test_unknown_preset_names_the_known_ones() -> None:
     with pytest.raises(ValueError, match="no-such-model") as excinfo:
         get_preset("no-such-model")
-    for name in PRESETS:
-        assert name in str(excinfo.value)
+    assert all(name in str(excinfo.value) for name in CARDS)
 
 
-@pytest.mark.parametrize("name", _names_of(NEMOTRON_H))
-def test_nemotron_h_presets_build_transformers_config(name: str) -> None:
+@pytest.mark.parametrize("name", sorted(CARDS))
+def test_preset_builds_the_model_its_card_describes(name: str) -> None:
+    layers, total, active = CARDS[name]
+    config, model = _meta_model(name)
+    assert Counter(config.layer_types) == layers
+    assert len(config.layer_types) == get_preset(name)["num_hidden_layers"]
+    n_params = _num_params(model)
+    assert abs(n_params - total) <= SIZE_TOLERANCE * total, f"{n_params / 1e9:.2f}B parameters"
+    if active is not None:  # routed experts count top_k of num_experts per token
+        routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+        n_active = n_params - routed * (1 - config.top_k / config.num_experts)
+        assert abs(n_active - active) <= SIZE_TOLERANCE * active, f"{n_active / 1e9:.2f}B active"
+
+
+@pytest.mark.parametrize("name", sorted(CARDS))
+def test_parameter_count_equals_transformers(name: str) -> None:
+    """transformers (the oracle) builds the same number of parameters from the same file."""
     cfg = get_preset(name)
-    config = transformers.NemotronHConfig(**cfg)
-    assert config.num_hidden_layers == cfg["num_hidden_layers"]
-    assert config.hybrid_override_pattern == cfg["hybrid_override_pattern"]
-    assert config.mamba_num_heads == cfg["mamba_num_heads"]
-    assert config.mamba_head_dim == cfg["mamba_head_dim"]
-    assert config.n_groups == cfg["n_groups"]
-    assert config.ssm_state_size == cfg["ssm_state_size"]
-    assert config.num_key_value_heads == cfg["num_key_value_heads"]
-
-
-@pytest.mark.parametrize("name", _names_of(GRANITE_HYBRID))
-def test_granite_presets_build_transformers_config(name: str) -> None:
-    cfg = get_preset(name)
-    config = transformers.GraniteMoeHybridConfig(**cfg)
-    assert config.num_hidden_layers == cfg["num_hidden_layers"]
-    # transformers 5 renames the checkpoint's "mamba"/"attention" to its own layer-type names.
-    attention = [i for i, kind in enumerate(cfg["layer_types"]) if kind == "attention"]
-    assert [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"] == attention
-    assert config.mamba_n_heads * config.mamba_d_head == config.mamba_expand * config.hidden_size
-    assert config.num_local_experts == cfg["num_local_experts"]
+    (architecture,) = cfg["architectures"]
+    hf_config = getattr(transformers, architecture.replace("ForCausalLM", "Config"))(**cfg)
+    with torch.device("meta"):
+        hf_model = getattr(transformers, architecture)(hf_config)
+    assert _num_params(_meta_model(name)[1]) == _num_params(hf_model)

@@ -34,7 +34,7 @@ MAX_MODEL_LEN = 128
 
 
 class FaultyEngine(LLMEngine):
-    """LLMEngine whose next step or add_request can be made to raise, and whose steps can
+    """LLMEngine whose next step or add_requests can be made to raise, and whose steps can
     be slowed down (to catch a request mid-flight). The switches are thread-safe; the
     engine itself is still only used by the server's engine thread."""
 
@@ -51,11 +51,11 @@ class FaultyEngine(LLMEngine):
         time.sleep(self.step_delay)
         return super().step()
 
-    def add_request(self, request_id, prompt, params=None):
+    def add_requests(self, requests):
         if self.fail_next_add.is_set():
             self.fail_next_add.clear()
-            raise RuntimeError("injected add_request failure")
-        return super().add_request(request_id, prompt, params)
+            raise RuntimeError("injected add_requests failure")
+        return super().add_requests(requests)
 
 
 @dataclass

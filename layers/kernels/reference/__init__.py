@@ -1,4 +1,6 @@
-"""Plain-torch reference ops (CPU and GPU): the oracle every fast kernel is tested against."""
+"""Plain-torch reference ops (CPU and GPU): the oracle every fast kernel is tested against.
+
+This module implements every op of `layers.kernels.ops.KernelOps` with its exact signature."""
 from layers.kernels.reference.attention import paged_attention, write_kv_cache
 from layers.kernels.reference.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from layers.kernels.reference.moe import moe_experts, route_sigmoid_grouped, route_softmax_topk

@@ -12,6 +12,10 @@ Recurrence per head h (what both forms compute):
 import torch
 import torch.nn.functional as F
 
+# Tokens per block of the chunked scan. The result does not depend on it (the blocking is
+# exact up to rounding); 32 matches the Triton scan's blocking, so both round alike.
+CHUNK = 32
+
 
 def _segsum(a: torch.Tensor) -> torch.Tensor:
     """out[..., i, j] = sum(a[..., j+1 : i+1]) for i >= j, -inf above the diagonal."""
@@ -25,17 +29,17 @@ def _segsum(a: torch.Tensor) -> torch.Tensor:
 
 def _ssd_one_sequence(
     x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
-    initial_state: torch.Tensor, chunk_size: int,
+    initial_state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked SSD for one sequence. x [L,H,P], dt [L,H], a [H], b/c [L,H,N], state [H,P,N]."""
     length = x.shape[0]
-    pad = (-length) % chunk_size
+    pad = (-length) % CHUNK
     xdt = F.pad(x * dt.unsqueeze(-1), (0, 0, 0, 0, 0, pad))
     adt = F.pad(dt * a, (0, 0, 0, pad))  # padded steps have dt = 0: no decay, no input
     b, c = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (b, c))
-    n_chunks = (length + pad) // chunk_size
-    xdt, b, c = (t.reshape(n_chunks, chunk_size, *t.shape[1:]) for t in (xdt, b, c))
-    adt = adt.reshape(n_chunks, chunk_size, -1).permute(2, 0, 1)  # [H, c, l]
+    n_chunks = (length + pad) // CHUNK
+    xdt, b, c = (t.reshape(n_chunks, CHUNK, *t.shape[1:]) for t in (xdt, b, c))
+    adt = adt.reshape(n_chunks, CHUNK, -1).permute(2, 0, 1)  # [H, c, l]
     a_cum = torch.cumsum(adt, dim=-1)
 
     # Intra-chunk (diagonal blocks): attention-like with a decaying causal mask.
@@ -52,7 +56,7 @@ def _ssd_one_sequence(
 
     # Contribution of the state entering each chunk (off-diagonal blocks).
     y_off = torch.einsum("clhn,chpn,hcl->clhp", c, start_states, torch.exp(a_cum))
-    y = (y_diag + y_off).reshape(n_chunks * chunk_size, *x.shape[1:])[:length]
+    y = (y_diag + y_off).reshape(n_chunks * CHUNK, *x.shape[1:])[:length]
     return y, final_state
 
 
@@ -67,9 +71,8 @@ def ssd_chunk_scan_varlen(
     ssm_states: torch.Tensor,
     src_slots: torch.Tensor,
     dst_slots: torch.Tensor,
-    chunk_size: int,
 ) -> torch.Tensor:
-    """Chunked SSD over packed variable-length sequences (prefill chunks).
+    """Chunked SSD over packed variable-length sequences (prefill chunks), in blocks of `CHUNK`.
 
     x: [T, H, P]; dt: [T, H] float32 (processed); A, D: [H]; B, C: [T, G, N];
     cu_seqlens: [S+1]; ssm_states: [slots, H, P, N] float32; each sequence starts from
@@ -89,7 +92,7 @@ def ssd_chunk_scan_varlen(
         xs = x[lo:hi].float()
         bs = B[lo:hi].float().repeat_interleave(rep, dim=1)
         cs = C[lo:hi].float().repeat_interleave(rep, dim=1)
-        y, final = _ssd_one_sequence(xs, dt[lo:hi].float(), A.float(), bs, cs, ssm_states[src[s]].float(), chunk_size)
+        y, final = _ssd_one_sequence(xs, dt[lo:hi].float(), A.float(), bs, cs, ssm_states[src[s]].float())
         out[lo:hi] = (y + D.float()[:, None] * xs).to(x.dtype)
         finals.append((dst[s], final))
     for slot, state in finals:  # after all reads: a dst may be another row's src

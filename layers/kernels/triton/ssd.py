@@ -106,7 +106,6 @@ def ssd_chunk_scan_varlen(
     ssm_states: torch.Tensor,
     src_slots: torch.Tensor,
     dst_slots: torch.Tensor,
-    chunk_size: int,
 ) -> torch.Tensor:
     """Chunked SSD over packed variable-length sequences (prefill chunks).
 
@@ -117,9 +116,8 @@ def ssd_chunk_scan_varlen(
 
     A sequence's dst slot must not be another sequence's src slot (each request owns its
     slots): a program writes its final state without waiting for the other programs.
-    `chunk_size` only changes how the exact scan is blocked; this kernel blocks by CHUNK.
+    The scan is blocked by CHUNK tokens (the result does not depend on the blocking).
     """
-    del chunk_size  # the result does not depend on the blocking
     y = torch.empty_like(x)
     if x.shape[0] == 0:
         return y

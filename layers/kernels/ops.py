@@ -1,0 +1,98 @@
+"""`KernelOps`: the one definition of every op the layers call, with its signature and contract.
+
+Both op sets implement exactly these signatures: the torch reference ops
+(`layers.kernels.reference`, the module itself satisfies the protocol) and the Triton fast
+ops (`layers.kernels.triton.*`, offered family by family by `layers.kernels.fast`).
+`tests/kernels/test_backend.py` checks every implementation's signature against this file.
+
+Conventions shared by the ops:
+- Packed tokens: T tokens of S sequences, `cu_seqlens` [S+1] int32 holds each sequence's
+  start; tokens past `cu_seqlens[-1]` and rows of padding sequences come out as zeros.
+- State slots: sequence s reads its state at `src_slots[s]` and writes the new state at
+  `dst_slots[s]` (equal: in place; different: ping-pong, the old state stays intact). A
+  row's dst must not be another row's src. Slot -1 marks padding: no state read or written.
+- Mamba-2 shapes: H heads of P channels, G groups of B/C with state size N, SSM state
+  [slots, H, P, N] float32, conv state [slots, D, K-1] (the last K-1 inputs, oldest first).
+"""
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class KernelOps(Protocol):
+    """The ops of one kernel backend; an `OpSet` (or the reference module) provides them all."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool = True) -> torch.Tensor:
+        """RMSNorm over the last dim with float32 statistics. `weight_in_fp32`: multiply by
+        the weight in float32, then cast to x's dtype (NemotronH); else cast first and
+        multiply in torch's promoted dtype (Granite)."""
+
+    def gated_rms_norm(self, x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                       group_size: int) -> torch.Tensor:
+        """Mamba-2 output norm rmsnorm_per_group(x * silu(z)) * weight (norm after gating).
+        x, z: [T, D] (any row stride); weight: [D]; statistics per `group_size` channels."""
+
+    def causal_conv1d_varlen(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             conv_states: torch.Tensor, cu_seqlens: torch.Tensor, src_slots: torch.Tensor,
+                             dst_slots: torch.Tensor, activation: str | None = "silu") -> torch.Tensor:
+        """Depthwise causal conv over packed prefill chunks, continuing from each sequence's
+        saved state. x: [T, D]; weight: [D, K]; bias: [D] or None. Returns [T, D] in x's dtype."""
+
+    def causal_conv1d_update(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             conv_states: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor,
+                             activation: str | None = "silu") -> torch.Tensor:
+        """One decode token per row: y = conv(state ++ x), state <- the last K-1 inputs.
+        x: [B, D]. Returns [B, D] in x's dtype."""
+
+    def ssd_chunk_scan_varlen(self, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                              C: torch.Tensor, D: torch.Tensor, cu_seqlens: torch.Tensor, ssm_states: torch.Tensor,
+                              src_slots: torch.Tensor, dst_slots: torch.Tensor) -> torch.Tensor:
+        """Mamba-2 SSD scan over packed prefill chunks (how it blocks the scan is each
+        implementation's choice: the result does not depend on it). x: [T, H, P]; dt: [T, H]
+        float32, already processed (softplus, dt limit); A, D: [H]; B, C: [T, G, N].
+        Returns y: [T, H, P] in x's dtype (D skip included, gate not applied)."""
+
+    def ssm_state_update(self, ssm_states: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                         B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, src_slots: torch.Tensor,
+                         dst_slots: torch.Tensor, dt_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode token per row of the SSM recurrence. x: [B, H, P]; dt: [B, H] processed,
+        or raw when `dt_bias` [H] is given (softplus(dt + dt_bias) is applied inside, like
+        mamba-ssm's `dt_softplus`); B, C: [B, G, N]. Returns y: [B, H, P] in x's dtype."""
+
+    def write_kv_cache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+        """Scatter this step's keys/values [T, kv_heads, head_dim] into their cache slots
+        (cache [num_blocks, block_size, kv_heads, head_dim]; slot = block * block_size +
+        offset, -1 = do not write)."""
+
+    def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, scale: float,
+                        max_seqlen_q: int | None = None, num_decode: int = 0) -> torch.Tensor:
+        """Causal attention of packed queries [T, H, Dh] against the paged cache; query i of
+        sequence s sits at position seq_len - q_len + i. seq_lens: [S] keys after this step
+        (0 = padding row). `max_seqlen_q` and `num_decode` (leading one-query sequences) are
+        host-known shape hints. Returns [T, H, Dh] in q's dtype."""
+
+    def route_sigmoid_grouped(self, router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
+                              n_group: int, topk_group: int, norm_topk_prob: bool,
+                              routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """NemotronH router: sigmoid scores, the correction bias steers the group-limited
+        top-k choice only. router_logits: [T, E] float32. Returns (weights [T, k] float32,
+        expert ids [T, k] int64)."""
+
+    def route_softmax_topk(self, router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Granite router: top-k of the logits, softmax over the chosen k. Returns (weights
+        [T, k] float32, expert ids [T, k] int64)."""
+
+    def moe_experts(self, x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, activation: str) -> torch.Tensor:
+        """sum_k w_k * down_e(act(up_e(x))) over each token's chosen experts. x: [T, H];
+        w_up: [E, I or 2I (swiglu: gate then up), H]; w_down: [E, H, I]; activation 'relu2'
+        or 'swiglu'. Accumulates in float32, returns x's dtype."""
+
+
+# Every op of the protocol, in definition order.
+OP_NAMES: tuple[str, ...] = tuple(
+    name for name, member in vars(KernelOps).items() if callable(member) and not name.startswith("_")
+)
