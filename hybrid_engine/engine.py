@@ -346,7 +346,8 @@ class LLMEngine:
 
     # ---- introspection ---------------------------------------------------------------
     def stats(self) -> dict[str, int]:
-        """Counters and pool occupancy (the keys ARCHITECTURE.md promises, and more)."""
+        """Counters and pool occupancy: steps, launch_ahead_steps, rejected_launches, state_restores,
+        pauses, evictions, prefill_tokens, decode_tokens, h2d_copies, queue and pool sizes."""
         s = self.scheduler
         return {
             **self._counters,
