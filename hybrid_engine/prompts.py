@@ -74,12 +74,16 @@ def check_max_tokens(prompt_len: int, max_tokens: int, limits: RequestLimits, fi
 
 
 def check_params(params: SamplingParams, limits: RequestLimits, tokenizer: Any | None) -> None:
-    """The sampling params the model constrains: stop token ids in the vocabulary, stop
-    strings only with a tokenizer (they are matched on decoded text)."""
+    """The sampling params the model constrains: stop token ids in the vocabulary, no more
+    logprobs than the vocabulary has tokens, stop strings only with a tokenizer (they are
+    matched on decoded text)."""
     bad = next((t for t in params.stop_token_ids or () if t >= limits.vocab_size), None)
     if bad is not None:
         raise ParameterError("stop_token_ids", f"stop_token_ids: token id {bad} is out of vocabulary "
                                                f"(vocab_size {limits.vocab_size})")
+    if params.logprobs is not None and params.logprobs > limits.vocab_size:
+        raise ParameterError("logprobs", f"logprobs: {params.logprobs} alternatives asked for, the vocabulary has "
+                                         f"{limits.vocab_size} tokens")
     if params.stop and tokenizer is None:
         raise ParameterError("stop", "stop: stop strings need a tokenizer; this model has none (use stop_token_ids)")
 

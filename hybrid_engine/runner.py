@@ -52,10 +52,16 @@ class StepPlan:
         return self.num_decode + self.num_prefill
 
 
+# Below this temperature, logits / temperature can overflow float32 (inf, then NaN): such a
+# row samples greedily, the limit it tends to (only exact ties could tell the two apart).
+GREEDY_BELOW_TEMPERATURE = 1e-20
+
+
 def sampling_row(params: SamplingParams) -> SamplingRow:
     """The per-step sampling fields of a request, computed once when it takes its row.
     top_k >= vocab means "off"; the clamp keeps it exact in float32 and int32."""
-    return SamplingRow(temperature=params.temperature, top_p=params.top_p, min_p=params.min_p,
+    temperature = params.temperature if params.temperature >= GREEDY_BELOW_TEMPERATURE else 0.0
+    return SamplingRow(temperature=temperature, top_p=params.top_p, min_p=params.min_p,
                        repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
                        frequency_penalty=params.frequency_penalty, top_k=float(min(params.top_k, 1 << 24)),
                        num_logprobs=float(-1 if params.logprobs is None else params.logprobs))

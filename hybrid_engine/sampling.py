@@ -213,8 +213,9 @@ def _top_k_top_p_drop_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: tor
     # A token stays if the tokens ranked above it hold less than top_p of the
     # mass; that keeps the smallest prefix reaching top_p and always the first
     # token. top_p >= 1 is exact "off", immune to the cumsum rounding to 1 early.
+    # A top_p that underflows float32 to 0 still keeps the first token (rank 0).
     mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep &= (mass_above < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    keep &= (mass_above < top_p[:, None]) | (top_p[:, None] >= 1.0) | (ranks == 0)
     return torch.empty_like(keep).scatter_(1, order, ~keep)
 
 

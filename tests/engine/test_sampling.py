@@ -22,6 +22,7 @@ from hybrid_engine.sampling import (
     sample,
     uniform_noise,
 )
+from hybrid_engine.sampling_params import SamplingParams
 
 
 def make_params(batch: int, device: str | torch.device = "cpu", **rows: list) -> SamplingTensors:
@@ -476,3 +477,20 @@ def test_cuda_matches_cpu_and_is_graph_capturable() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured.sampled_token_ids.cpu(), expected)
+
+
+def test_parameters_at_float32_underflow_behave_as_their_limit(make_llm) -> None:
+    """A temperature that would overflow logits / temperature in float32 samples greedily, and
+    a top_p that underflows float32 to 0 keeps the top token: both equal greedy decoding
+    (before, the first gave NaN garbage and the second always token 0)."""
+    llm = make_llm(max_num_seqs=4)
+    prompt = [(7 * i + 3) % 256 for i in range(12)]
+    greedy, tiny_t, tiny_p = llm.generate(
+        [prompt] * 3,
+        [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+         SamplingParams(max_tokens=12, temperature=1e-40, seed=3, ignore_eos=True),
+         SamplingParams(max_tokens=12, temperature=1.0, top_p=5e-324, seed=3, ignore_eos=True)],
+        use_tqdm=False)
+    assert len(set(greedy.output_token_ids)) > 1  # a real continuation, not one repeated id
+    assert tiny_t.output_token_ids == greedy.output_token_ids
+    assert tiny_p.output_token_ids == greedy.output_token_ids

@@ -108,12 +108,13 @@ BAD_REQUESTS = [  # (prompt, params, tokenizer, limits, field, message fragment,
     (byte_prompt(50), greedy(20), BYTE_TOKENIZER, RequestLimits(261, 100, 64), "max_tokens", "KV cache (64", True),
     ([5], greedy(4, stop_token_ids=[261]), BYTE_TOKENIZER, LIMITS, "stop_token_ids", "261", False),
     ([5], greedy(4, stop=["x"]), None, LIMITS, "stop", "tokenizer", False),
+    ([5], greedy(4, logprobs=9), None, RequestLimits(8, 100, 128), "logprobs", "8 tokens", False),
 ]
 
 
 @pytest.mark.parametrize("prompt, params, tokenizer, limits, field, fragment, too_long", BAD_REQUESTS,
                          ids=["empty_str", "empty_ids", "oov", "bool", "dict", "no_tokenizer", "no_room",
-                              "context", "kv_cache", "stop_token_oov", "stop_no_tokenizer"])
+                              "context", "kv_cache", "stop_token_oov", "stop_no_tokenizer", "logprobs_over_vocab"])
 def test_validate_request_names_the_field(prompt, params, tokenizer, limits, field, fragment, too_long):
     with pytest.raises(ParameterError, match=field) as info:
         validate_request(prompt, params, limits, tokenizer)
@@ -126,6 +127,8 @@ def test_validate_request_returns_token_ids():
     assert validate_request((7, 8), greedy(4), LIMITS, None) == [7, 8]
     # The whole context: 99 prompt tokens + 1 generated = max_model_len.
     assert validate_request(byte_prompt(99), greedy(1), LIMITS, None) == byte_prompt(99)
+    # As many logprobs as the vocabulary has tokens is the most there can be.
+    assert validate_request([5], greedy(4, logprobs=8), RequestLimits(8, 100, 128), None) == [5]
 
 
 def test_check_prompt_names_the_callers_field():
