@@ -289,8 +289,13 @@ class Scheduler:
     def finish(self, request: Request, reason: str, error: str | None = None) -> None:
         """End a request (`stop`, `length`, `abort`, or `error` with its message). Its
         resources return to the pools once no launched row can touch them."""
-        if reason != "error" and request.detokenizer is not None and request.detokenizer.stop_reason is None:
-            request.pending_text += request.detokenizer.flush()
+        detok = request.detokenizer
+        if reason != "error" and detok is not None and detok.stop_reason is None:
+            request.pending_text += detok.flush()
+            if detok.stop_reason is not None and reason != "abort":
+                # The stop string completed only in text held back until now (e.g. a
+                # trailing incomplete UTF-8 sequence that flushes as U+FFFD).
+                reason, request.stop_reason = "stop", detok.stop_reason
         request.finish_reason, request.error = reason, error
         if request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
