@@ -65,6 +65,11 @@ class MambaStateAllocator:
         """Requests that can still be admitted."""
         return len(self._free_rows)
 
+    @property
+    def num_slots(self) -> int:
+        """State slots in the pool (every layer has this many of each kind)."""
+        return len(self._next_slot)
+
     def allocate(self) -> RequestState:
         """Take a row and a ring of slots; the slots are zeroed by the next step (`take_new_slots`)."""
         if not self._free_rows:
@@ -76,9 +81,12 @@ class MambaStateAllocator:
         return RequestState(self._free_rows.pop(), ring)
 
     def free(self, state: RequestState) -> None:
-        """Return a request's row and slots to the pool."""
+        """Return a request's row and slots to the pool (slots not yet zeroed are dropped
+        from the zeroing list: whoever takes them next queues them again)."""
         self._free_rows.append(state.row)
         self._free_slots.extend(reversed(state.ring))
+        if self._to_zero:
+            self._to_zero = [slot for slot in self._to_zero if slot not in state.ring]
 
     # ---- which slots a launched row reads and writes ---------------------------------
     def row_slots(self, state: RequestState, rows_before: int) -> tuple[int, int]:

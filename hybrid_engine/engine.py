@@ -1,8 +1,8 @@
 """LLMEngine: requests in, one batched step at a time, outputs out.
 
-Each `step()` is three calls: `scheduler.schedule()` picks the batch and launches its rows,
-`runner.prepare` + `runner.launch` run it on the device, `scheduler.retire` appends the
-sampled tokens, detects finishes and frees resources. The scheduler owns every request
+Each `step()` follows nano-vllm's schedule -> run -> postprocess: `scheduler.schedule()`
+picks the batch and launches its rows, `runner.prepare` + `runner.launch` run it on the
+device, `scheduler.retire` appends the sampled tokens, detects finishes and frees resources. The scheduler owns every request
 transition; the engine wires the calls, turns requests into outputs and counts.
 
 Launch-ahead (`async_scheduling=True`, `_launch_ahead`): with step N in flight, step N+1
@@ -16,6 +16,7 @@ and writes the other, retiring it commits the copy it wrote, rejecting it commit
 A step that raises ends the requests it touched with finish_reason "error" and returns
 their resources; every other request carries on.
 """
+import dataclasses
 import gc
 import logging
 import os
@@ -199,7 +200,9 @@ class LLMEngine:
             params = SamplingParams()
         elif isinstance(params, dict):
             params = SamplingParams.from_dict(params)
-        elif not isinstance(params, SamplingParams):
+        elif isinstance(params, SamplingParams):
+            params = dataclasses.replace(params)  # re-validated, and the caller's later edits don't reach it
+        else:
             raise ValueError(f"params must be SamplingParams or a dict, got {type(params).__name__}")
         ids = validate_request(prompt, params, self.limits, self.tokenizer)
         detok = None
@@ -336,7 +339,11 @@ class LLMEngine:
         failed = self.scheduler.fail(touched, f"engine step failed: {type(error).__name__}: {error}")
         self._unretired.clear()
         self._inflight = None
-        return [self._emit(r) for r in failed]
+        # Requests that finished earlier in this step (their outputs were not out yet when
+        # it raised) still get their final output.
+        aborted = set(map(id, self._aborted))
+        done = [r for r in self.requests.values() if r.finished and id(r) not in aborted and r not in failed]
+        return [self._emit(r) for r in failed + done]
 
     def _emit(self, request: Request) -> RequestOutput:
         """The request's output for the caller; a finished request leaves the engine."""
@@ -347,7 +354,9 @@ class LLMEngine:
     # ---- introspection ---------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         """Counters and pool occupancy: steps, launch_ahead_steps, rejected_launches, state_restores,
-        pauses, evictions, prefill_tokens, decode_tokens, h2d_copies, queue and pool sizes."""
+        pauses, evictions, prefill_tokens, decode_tokens, h2d_copies, queue and pool sizes.
+        `free_mamba_slots` / `total_mamba_slots` count requests the Mamba pool can admit
+        (each takes one row and its ring of state copies)."""
         s = self.scheduler
         return {
             **self._counters,

@@ -42,8 +42,8 @@ class LLM:
         would otherwise be consumed here).
         """
         if self.engine.has_unfinished_requests():
-            raise RuntimeError("generate() needs the engine to itself: requests added through llm.engine are "
-                               "unfinished; step the engine until has_unfinished_requests() is False first")
+            raise RuntimeError("generate() needs the engine to itself: it has unfinished requests (added through "
+                               "llm.engine, or left by an interrupted generate()); step or abort them first")
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)

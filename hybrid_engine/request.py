@@ -9,7 +9,8 @@ from hybrid_engine.sampling_params import SamplingParams
 
 class RequestStatus(Enum):
     """Where a request is in its life; `Scheduler` (hybrid_engine/scheduler.py) owns every
-    transition: WAITING (queued or evicted) -> RUNNING <-> PAUSED -> FINISHED."""
+    transition (its module docstring has the table): WAITING (queued or evicted) ->
+    RUNNING <-> PAUSED; RUNNING or PAUSED -> WAITING (evicted); any -> FINISHED."""
 
     WAITING = "waiting"
     RUNNING = "running"

@@ -20,7 +20,7 @@ from cache.step_buffer import (NEUTRAL_SAMPLING, SAMPLING, SAMPLING_F32_ROWS, SE
                                StepBuffer, TokenFields)
 from hybrid_engine.models.base import HybridForCausalLM
 from hybrid_engine.request import Request
-from hybrid_engine.sampling import SamplingTensors, sample
+from hybrid_engine.sampling import GREEDY_BELOW_TEMPERATURE, SamplingTensors, sample
 from hybrid_engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from hybrid_engine.scheduler import SchedulerOutput
 from layers.forward_meta import ForwardMeta
@@ -50,11 +50,6 @@ class StepPlan:
     @property
     def num_seqs(self) -> int:
         return self.num_decode + self.num_prefill
-
-
-# Below this temperature, logits / temperature can overflow float32 (inf, then NaN): such a
-# row samples greedily, the limit it tends to (only exact ties could tell the two apart).
-GREEDY_BELOW_TEMPERATURE = 1e-20
 
 
 def sampling_row(params: SamplingParams) -> SamplingRow:
@@ -110,7 +105,7 @@ class ModelRunner:
         self.max_seqs = mamba.max_num_seqs
         self.max_blocks_per_seq = kv.blocks_for(max_model_len)
         self.buffer = StepBuffer(max_num_batched_tokens, self.max_seqs, self.max_blocks_per_seq,
-                                 self.max_seqs * mamba.copies_per_request, device)
+                                 mamba.num_slots, device)
         for layer, (k, v) in zip(model.attention_layers(), kv.kv_caches):
             layer.kv_cache = (k, v)
         for i, mixer in enumerate(model.mamba_mixers()):
@@ -126,7 +121,7 @@ class ModelRunner:
         self._neutral_sampling = np.array(NEUTRAL_SAMPLING[SAMPLING_F32_ROWS], dtype=np.float32)[:, None]
         # 0, 1, 2, ...: row indices and positions, sliced instead of built per step.
         self._rows = np.arange(max(self.max_seqs + 1, max_model_len), dtype=np.int64)
-        # Token history per request slot, written on device from each step's inputs
+        # Token history per request row, written on device from each step's inputs
         # (idempotent: position p always holds the same token), read for penalties.
         self._history = torch.zeros(self.max_seqs, max_model_len, dtype=torch.int64, device=device)
         # A step's samples (and logprobs with their token ids) come back packed in one
@@ -222,7 +217,9 @@ class ModelRunner:
             else:
                 from_prev = -1
                 token = output[start - n_prompt] if start >= n_prompt else r.prompt_token_ids[start]
-            src, dst = row_slots(state, r.inflight - 1)  # this row is the newest in flight
+            # Scheduling launched this row and nothing retires before it is prepared, so it
+            # is the request's newest in-flight row.
+            src, dst = row_slots(state, r.inflight - 1)
             seq_rows.append(SeqFields(mamba_src=src, mamba_dst=dst, input_from_prev=from_prev, logits_indices=i,
                                       seeds=r.seed, output_pos=n_out + r.pending_samples - 1, history_rows=row,
                                       prompt_lens=n_prompt, history_lens=start + 1))

@@ -30,6 +30,7 @@ __all__ = [
     "uniform_noise",
     "mix64",
     "derive_seed",
+    "GREEDY_BELOW_TEMPERATURE",
 ]
 
 # --- 64-bit hashing -----------------------------------------------------------
@@ -120,6 +121,12 @@ def uniform_noise(seed: torch.Tensor, output_pos: torch.Tensor, vocab_size: int)
     # Top 23 bits -> odd multiples of 2**-24, which float32 holds exactly and
     # which avoid both 0 and 1 (so the log-log in the Gumbel transform is finite).
     return _shr_logical(bits, 41).mul_(2).add_(1).to(torch.float32).mul_(2.0**-24)
+
+
+# Below this temperature, logits / temperature can overflow float32 (inf, then NaN): a row
+# with a lower (nonzero) temperature samples greedily, the limit it tends to -- only exact
+# ties could tell the two apart. Applied where a request's sampling row is built.
+GREEDY_BELOW_TEMPERATURE = 1e-20
 
 
 # --- Parameter / result containers -------------------------------------------------

@@ -10,7 +10,7 @@ Every status change and every cursor of a `Request` is written here and nowhere 
 | RUNNING        | `schedule`: next KV block not free      | PAUSED           | keeps its blocks and state           |
 | PAUSED         | `schedule`: the block is free           | RUNNING          | row launched                         |
 | RUNNING/PAUSED | `schedule`: nothing fits (evict)        | WAITING          | frees all; recomputes prompt+output  |
-| RUNNING        | `retire` a valid row                    | RUNNING/FINISHED | state committed, sample appended,    |
+| RUNNING/PAUSED | `retire` a valid row                    | same/FINISHED    | state committed, sample appended,    |
 |                |                                         |                  | stop / EOS / length checked          |
 | RUNNING        | `reject` a launch-ahead row             | RUNNING          | launch cursors roll back             |
 | any but FINISHED | `finish` (abort)                      | FINISHED         | text flushed                         |
@@ -52,8 +52,8 @@ logger = logging.getLogger(__name__)
 class ScheduledChunk:
     """`num_tokens` tokens of `request` starting at position `start`; `samples`: the chunk
     reaches the request's last token, so its last logits draw the next token. `prev_row`:
-    the request's row in the step launched before this one (-1: none), where a decode
-    input still in flight is sampled."""
+    the request's row in the newest step it was launched in before this one (-1: none);
+    used only when the chunk's input token is still in flight, i.e. sampled there."""
 
     request: Request
     start: int

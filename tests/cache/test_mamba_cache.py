@@ -167,3 +167,16 @@ def test_zeroing_is_one_batched_op_per_state_kind(copies):
         assert m.take_new_slots() == []  # handed out once: the next step has nothing to zero
     assert counts[0] == counts[1], counts
     assert counts[0][1] <= 2, counts  # one op for conv, one for ssm
+
+
+def test_freed_before_zeroing_is_not_zeroed_twice():
+    """A state freed before its first step (that step failed) leaves the zeroing list; the
+    next owner queues its slots again, so the list never outgrows the pool."""
+    m = make(2, copies=2)
+    first = [m.allocate(), m.allocate()]
+    for state in first:
+        m.free(state)
+    assert not m.has_new_slots()
+    again = [m.allocate(), m.allocate()]
+    new = m.take_new_slots()
+    assert sorted(new) == sorted(slot for s in again for slot in s.ring) and len(new) == m.num_slots

@@ -263,3 +263,19 @@ def test_mixed_params_batch_equals_solo(make_llm, solo, async_scheduling):
             assert got[tok] == pytest.approx(lp, abs=1e-4)
     assert_mode_ran(llm.engine)
     assert_drained(llm.engine)
+
+
+def test_params_edited_after_construction_are_validated_and_snapshotted(make_llm):
+    """SamplingParams is a plain dataclass: a field set after construction is checked when the
+    request is added, and editing the object later does not reach a queued request."""
+    eng = make_llm().engine
+    params = greedy(4)
+    params.seed = 2**64
+    with pytest.raises(ParameterError, match="seed"):
+        eng.add_request("bad", OK_PROMPT, params)
+    assert "bad" not in eng.requests
+    params.seed = 5
+    eng.add_request("good", OK_PROMPT, params)
+    params.max_tokens = 1000
+    run = drive(eng, [])
+    assert len(run.finals["good"].output_token_ids) == 4

@@ -112,3 +112,47 @@ def test_an_error_touching_no_request_is_raised(make_llm):
     run = drive(engine, [])
     assert run.finals["a"].finish_reason == "length"
     assert_drained(engine)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "async"])
+def test_failure_in_the_admitting_step_leaves_the_pool_clean(make_llm, async_scheduling):
+    """A fault in the step that admits requests (before their new state slots are zeroed)
+    ends them alone: requests admitted later into the same slots run normally."""
+    llm = make_llm(max_num_seqs=2, async_scheduling=async_scheduling)
+    engine = llm.engine
+    for i in range(4):
+        engine.add_request(f"r{i}", byte_prompt(5, i), greedy(4))
+    in_flight = _fail_at(engine, "prepare", {0})
+    run = drive(engine, [])
+    assert in_flight == [{"r0", "r1"}]
+    assert {rid: out.finish_reason for rid, out in run.finals.items()} == {
+        "r0": "error", "r1": "error", "r2": "length", "r3": "length"}
+    for rid in ("r2", "r3"):
+        solo = make_llm(max_num_seqs=1).generate([byte_prompt(5, int(rid[1]))], greedy(4), use_tqdm=False)[0]
+        assert run.finals[rid].output_token_ids == solo.output_token_ids
+    assert_drained(engine)
+
+
+def test_fault_draining_a_rejected_launch_keeps_finished_outputs(make_llm):
+    """Request a finishes at step N; N+1 is rejected whole and drained, and that drain raises.
+    a's final output (decided before the fault) still comes out, b ends with the error, and
+    nothing stays unfinished."""
+    llm = make_llm(async_scheduling=True, inject_rejection_rate=1.0)
+    engine = llm.engine
+    engine.add_request("a", byte_prompt(5, 1), greedy(2))
+    engine.add_request("b", byte_prompt(5, 2), greedy(20))
+    reconcile = engine._reconcile
+
+    def reconcile_with_failing_drain(ahead, finished):
+        if finished:
+            def broken_wait():
+                raise RuntimeError("device fault")
+            ahead.wait = broken_wait
+            engine._reconcile = reconcile
+        return reconcile(ahead, finished)
+
+    engine._reconcile = reconcile_with_failing_drain
+    run = drive(engine, [])
+    assert run.finals["a"].finish_reason == "length" and len(run.finals["a"].output_token_ids) == 2
+    assert run.finals["b"].finish_reason == "error" and "device fault" in run.finals["b"].error
+    assert_drained(engine)
