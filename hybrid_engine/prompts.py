@@ -46,6 +46,10 @@ def encode_prompt(prompt: Prompt, tokenizer: Any | None, field: str = "prompt",
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ParameterError(field, f"{field}: this model has no tokenizer; pass token ids (a list of ints)")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800"): no UTF-8 text a tokenizer could read
+            raise ParameterError(field, f"{field} is not valid Unicode text: {exc.reason} at index {exc.start}") from None
         return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     if isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
         return list(prompt)

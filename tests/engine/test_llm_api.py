@@ -142,3 +142,13 @@ def test_step_outputs_are_snapshots_of_their_step(make_llm, async_scheduling):
         assert out.text == text and final.text.startswith(text)
         assert out.logprobs == logprobs == final.logprobs[: len(tokens)]
     assert len({len(tokens) for _, tokens, _, _ in seen}) == len(seen)  # one snapshot per token count
+
+
+def test_generate_with_an_invalid_prompt_queues_nothing(make_llm):
+    """All or nothing: a lone surrogate in the second prompt is a ValueError naming the
+    prompt, the valid first prompt is not left queued, and no step ran."""
+    llm = make_llm()
+    with pytest.raises(ValueError, match="prompt is not valid Unicode"):
+        llm.generate(["ok", "\ud800x"], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests() and llm.engine.stats()["steps"] == 0
+    assert llm.generate(["ok"], use_tqdm=False)[0].finished

@@ -1,5 +1,7 @@
 """Every kind of bad request gets a 4xx with an OpenAI-style JSON error, and the server
 stays healthy afterwards."""
+import json
+
 import httpx
 import pytest
 
@@ -130,4 +132,19 @@ def test_unknown_route_and_method(server: Server):
     """404 and 405 use the OpenAI error shape too."""
     assert assert_error_body(httpx.get(f"{server.url}/v2/nothing"), 404)["code"] == "not_found"
     assert_error_body(httpx.get(f"{server.url}{COMPLETIONS}"), 405)
+    server.assert_healthy()
+
+
+@pytest.mark.parametrize("path, body, param", [
+    (COMPLETIONS, {"prompt": "\ud800x", "max_tokens": 2}, "prompt"),
+    (CHAT, {"messages": [{"role": "user", "content": "\ud800x"}], "max_tokens": 2}, "messages"),
+])
+def test_lone_surrogate_is_a_400(server: Server, path, body, param):
+    """JSON may escape a lone surrogate ("\\ud800"), which is no Unicode text: a 400 naming the
+    field on a kept-alive connection that goes on serving, never a 500."""
+    raw = json.dumps(body).encode()  # ASCII-escaped, as a client's JSON encoder sends it
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        error = assert_error_body(client.post(path, content=raw, headers={"content-type": "application/json"}), 400)
+        assert error["param"] == param and "not valid Unicode" in error["message"]
+        assert client.post(COMPLETIONS, json={"prompt": "ok", "max_tokens": 2}).status_code == 200
     server.assert_healthy()
