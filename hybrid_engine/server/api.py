@@ -79,9 +79,9 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None) -> FastAPI:
         card = ModelCard(id=model_name, root=llm.info.model_name, max_model_len=llm.info.max_request_tokens)
         return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
-        """200 while the engine thread serves, 503 otherwise."""
+        """200 while the engine thread serves, 503 otherwise (HEAD: the status alone)."""
         if llm.healthy:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "engine not running"}, status_code=503)

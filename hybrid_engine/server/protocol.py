@@ -34,6 +34,15 @@ def ranged(default: Any, name: str, lo: int | None = None) -> Any:
     return Field(default, **bounds)
 
 
+def only_neutral(name: str, value: Any, neutral: Any) -> Any:
+    """Accept a standard OpenAI field only at the value that asks for nothing we don't do
+    (clients send these by default); any other value is a 400 `not_implemented`."""
+    if value != neutral:
+        raise PydanticCustomError("not_implemented", f"{name}={value!r} is not implemented; only {neutral!r} is "
+                                                     "accepted")
+    return value
+
+
 class StrictModel(BaseModel):
     """Base of request bodies: exact JSON types, finite numbers, no unknown fields."""
 
@@ -67,6 +76,7 @@ class SamplingRequest(StrictModel):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1)
     user: str | None = None  # accepted for compatibility; not used
+    logit_bias: dict[str, float] = Field(default_factory=dict)  # only {} (see `only_neutral`)
     max_tokens: int | None = ranged(None, "max_tokens")
     temperature: float = ranged(1.0, "temperature")
     top_p: float = ranged(1.0, "top_p")
@@ -90,6 +100,11 @@ class SamplingRequest(StrictModel):
         if not (isinstance(value, list) and all(isinstance(s, str) for s in value)):
             raise ValueError("stop must be a string or a list of strings")
         return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, float]) -> dict[str, float]:
+        return only_neutral("logit_bias", value, {})
 
     @field_validator("n")
     @classmethod
@@ -131,6 +146,18 @@ class CompletionRequest(SamplingRequest):
 
     prompt: list[Prompt]
     logprobs: int | None = ranged(None, "logprobs")
+    echo: bool = False  # only false: the prompt is not repeated in the output
+    best_of: int = 1  # only 1 (= n): one sequence per prompt
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        return only_neutral("echo", value, False)
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_of_one(cls, value: int) -> int:
+        return only_neutral("best_of", value, 1)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -190,13 +217,35 @@ class ChatMessage(StrictModel):
         return out
 
 
+class ResponseFormat(StrictModel):
+    """`response_format`: only plain text (structured output is not implemented)."""
+
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, value: str) -> str:
+        return only_neutral("response_format.type", value, "text")
+
+
 class ChatCompletionRequest(SamplingRequest):
-    """POST /v1/chat/completions (`max_completion_tokens` wins over the older `max_tokens`)."""
+    """POST /v1/chat/completions (`max_completion_tokens` wins over the older `max_tokens`).
+
+    `store` is accepted as false only (nothing is stored); `metadata` is accepted and not
+    used (it only matters to stored completions)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = ranged(None, "max_tokens")
     logprobs: bool = False
     top_logprobs: int | None = ranged(None, "logprobs")
+    response_format: ResponseFormat | None = None
+    store: bool = False
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("store")
+    @classmethod
+    def _nothing_stored(cls, value: bool) -> bool:
+        return only_neutral("store", value, False)
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":

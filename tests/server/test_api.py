@@ -202,3 +202,24 @@ def test_stop_token_ids(client: openai.OpenAI):
                                   **{**GREEDY, "extra_body": {"ignore_eos": True, "stop_token_ids": [stop_id]}})
     assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == stop_id
     assert r.usage.completion_tokens == tokens.index(ascii_tokens[0]) + 1
+
+
+def test_neutral_openai_fields_are_accepted(server: Server):
+    """Fields standard clients send with values that ask for nothing special are accepted
+    and change nothing: the same tokens as without them."""
+    base = {"prompt": "hello", "max_tokens": 6, "temperature": 0}
+    plain = httpx.post(f"{server.url}/v1/completions", json=base, timeout=30).json()["choices"][0]["text"]
+    neutral = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                         json={**base, "echo": False, "best_of": 1, "logit_bias": {}}).json()
+    assert neutral["choices"][0]["text"] == plain
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0}
+    plain_chat = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=30).json()
+    neutral_chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
+        **chat, "logit_bias": {}, "response_format": {"type": "text"}, "store": False, "metadata": {"k": "v"}})
+    assert neutral_chat.status_code == 200, neutral_chat.text
+    assert neutral_chat.json()["choices"][0]["message"] == plain_chat["choices"][0]["message"]
+
+
+def test_head_health(server: Server):
+    response = httpx.head(f"{server.url}/health", timeout=30)
+    assert response.status_code == 200 and response.content == b""

@@ -71,7 +71,12 @@ CASES = [
     # missing, unknown or unsupported fields
     (COMPLETIONS, {"max_tokens": 3}, 400, "prompt", "missing_required_parameter"),
     (CHAT, {"messages": USER, "prompt": "a"}, 400, "prompt", "unknown_parameter"),
-    (COMPLETIONS, {"prompt": "a", "best_of": 2}, 400, "best_of", "unknown_parameter"),
+    (COMPLETIONS, {"prompt": "a", "best_of": 2}, 400, "best_of", "not_implemented"),
+    (COMPLETIONS, {"prompt": "a", "echo": True}, 400, "echo", "not_implemented"),
+    (COMPLETIONS, {"prompt": "a", "logit_bias": {"5": 1.0}}, 400, "logit_bias", "not_implemented"),
+    (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, 400, "response_format.type",
+     "not_implemented"),
+    (CHAT, {"messages": USER, "store": True}, 400, "store", "not_implemented"),
     (COMPLETIONS, {"prompt": "a", "n": 2}, 400, "n", "not_implemented"),
     (CHAT, {"messages": USER, "n": 3}, 400, "n", "not_implemented"),
     (COMPLETIONS, {"prompt": "a", "stream_options": {"include_usage": True}}, 400, None, "invalid_value"),
