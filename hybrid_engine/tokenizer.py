@@ -112,15 +112,17 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
     Returns None when the directory holds none of the tokenizer files
     (``TOKENIZER_FILES``): such checkpoints are served with token-id prompts only.
     Never touches the network. Raises ``NotADirectoryError`` if ``path`` is not a
-    directory and ``RuntimeError`` if tokenizer files exist but cannot be loaded.
+    directory and ``ValueError`` (bad input, like a bad config) naming the directory and
+    its tokenizer files if they exist but cannot be loaded.
     """
     if not os.path.isdir(path):
         raise NotADirectoryError(f"checkpoint path is not a directory: {path!r}")
-    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+    present = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(path, name))]
+    if not present:
         return None
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:
         # Re-raise with the path: transformers' errors often only name a file or a
         # hub repo id, which is misleading for a local checkpoint.
-        raise RuntimeError(f"failed to load the tokenizer in {path!r}: {exc}") from exc
+        raise ValueError(f"failed to load the tokenizer in {path!r} ({', '.join(present)}): {exc}") from exc

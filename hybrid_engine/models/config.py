@@ -104,14 +104,22 @@ def _get(cfg: dict, *names: str, default: Any = KeyError) -> Any:
     return default
 
 
-def _float(value: Any, name: str) -> float:
-    """Parse a float that JSON may spell as Infinity, "inf" or {"__float__": "Infinity"}."""
+def _float(value: Any, name: str, *, finite: bool = False, positive: bool = False) -> float:
+    """Parse a float that JSON may spell as Infinity, "inf" or {"__float__": "Infinity"}; never NaN.
+
+    `positive` (implies finite) is for epsilons, divisors and values whose log is taken.
+    """
     if isinstance(value, dict) and "__float__" in value:
         value = value["__float__"]
     try:
-        return float(value)
+        number = float(value)
     except (TypeError, ValueError):
         raise ConfigError(f"config field {name!r} must be a number, got {value!r}") from None
+    if math.isnan(number) or ((finite or positive) and math.isinf(number)):
+        raise ConfigError(f"config field {name!r} must be a finite number, got {value!r}")
+    if positive and number <= 0:
+        raise ConfigError(f"config field {name!r} must be > 0, got {value!r}")
+    return number
 
 
 def _int(cfg: dict, *names: str, default: Any = KeyError) -> int:
@@ -125,6 +133,18 @@ def _positive(value: int, name: str) -> int:
     if value <= 0:
         raise ConfigError(f"config field {name!r} must be positive, got {value}")
     return value
+
+
+def _non_negative(value: int, name: str) -> int:
+    """A layer width where 0 is a (degenerate) valid model but a negative one is not."""
+    if value < 0:
+        raise ConfigError(f"config field {name!r} must be >= 0, got {value}")
+    return value
+
+
+def _spelling(cfg: dict, *names: str) -> str:
+    """The spelling of a field this config uses (the first one when it has none), for messages."""
+    return next((name for name in names if cfg.get(name) is not None), names[0])
 
 
 def _layer_types(raw: Any, name: str) -> list[str]:
@@ -150,13 +170,32 @@ def _time_step_limit(cfg: dict) -> tuple[float, float]:
     raw = _get(cfg, "time_step_limit", "mamba_dt_limit", default=(0.0, math.inf))
     if not isinstance(raw, (list, tuple)) or len(raw) != 2:
         raise ConfigError(f"config field 'time_step_limit' must be a pair, got {raw!r}")
-    return (_float(raw[0], "time_step_limit"), _float(raw[1], "time_step_limit"))
+    low, high = _float(raw[0], "time_step_limit"), _float(raw[1], "time_step_limit")
+    if not 0.0 <= low <= high:
+        raise ConfigError(f"config field 'time_step_limit' must satisfy 0 <= low <= high, got {list(raw)!r}")
+    return low, high
+
+
+def _time_steps(cfg: dict) -> tuple[float, float]:
+    """(time_step_min, time_step_max): the range the initial dt is drawn from (its log is taken)."""
+    low = _float(_get(cfg, "time_step_min", "mamba_dt_min", default=0.001), "time_step_min", positive=True)
+    high = _float(_get(cfg, "time_step_max", "mamba_dt_max", default=0.1), "time_step_max", positive=True)
+    if low > high:
+        raise ConfigError(f"config field 'time_step_min' ({low}) must be <= time_step_max ({high})")
+    return low, high
 
 
 def _common(cfg: dict, architecture: str, layer_types: list[str]) -> dict:
     hidden = _positive(_int(cfg, "hidden_size"), "hidden_size")
-    heads = _int(cfg, "num_attention_heads", default=1)
+    # Attention fields are required and checked only when there are attention layers
+    # (a made-up head count would only mislead the num_key_value_heads check); head_dim
+    # is checked before the default scale is derived from it.
+    has_attention = "attention" in layer_types
+    heads = _int(cfg, "num_attention_heads", default=KeyError if has_attention else 1)
     head_dim = _int(cfg, "head_dim", default=hidden // max(heads, 1))
+    if has_attention:
+        _positive(heads, "num_attention_heads")
+        _positive(head_dim, "head_dim")
     return dict(
         architecture=architecture,
         vocab_size=_positive(_int(cfg, "vocab_size"), "vocab_size"),
@@ -165,9 +204,10 @@ def _common(cfg: dict, architecture: str, layer_types: list[str]) -> dict:
         num_attention_heads=heads,
         num_kv_heads=_int(cfg, "num_key_value_heads", default=heads),
         head_dim=head_dim,
-        attention_scale=head_dim ** -0.5,
+        attention_scale=head_dim ** -0.5 if has_attention else 1.0,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        max_position_embeddings=_int(cfg, "max_position_embeddings", default=4096),
+        max_position_embeddings=_positive(_int(cfg, "max_position_embeddings", default=4096),
+                                          "max_position_embeddings"),
         eos_token_ids=_eos_ids(cfg),
         bos_token_id=cfg.get("bos_token_id"),
         pad_token_id=cfg.get("pad_token_id"),
@@ -182,10 +222,11 @@ def _nemotron_h(cfg: dict) -> HybridConfig:
         layer_types = _layer_types(_get(cfg, "hybrid_override_pattern"), "hybrid_override_pattern")
     hidden = _int(cfg, "hidden_size")
     mamba_heads = _int(cfg, "mamba_num_heads", default=128)
-    time_step_min = _float(_get(cfg, "time_step_min", "mamba_dt_min", default=0.001), "time_step_min")
+    time_step_min, time_step_max = _time_steps(cfg)
+    eps_name = _spelling(cfg, "layer_norm_epsilon", "rms_norm_eps")
     c = HybridConfig(
         **_common(cfg, NEMOTRON_H, layer_types),
-        norm_eps=_float(_get(cfg, "layer_norm_epsilon", "rms_norm_eps", default=1e-5), "layer_norm_epsilon"),
+        norm_eps=_float(_get(cfg, eps_name, default=1e-5), eps_name, positive=True),
         mamba_num_heads=mamba_heads,
         mamba_head_dim=_int(cfg, "mamba_head_dim", default=64),
         mamba_n_groups=_int(cfg, "n_groups", "mamba_n_groups", default=8),
@@ -197,18 +238,20 @@ def _nemotron_h(cfg: dict) -> HybridConfig:
         # prefill only; parity with it (the oracle) decides.
         dt_limit=(time_step_min, math.inf),
         time_step_min=time_step_min,
-        time_step_max=_float(_get(cfg, "time_step_max", "mamba_dt_max", default=0.1), "time_step_max"),
-        intermediate_size=_int(cfg, "intermediate_size", default=4 * hidden),
+        time_step_max=time_step_max,
+        intermediate_size=_non_negative(_int(cfg, "intermediate_size", default=4 * hidden), "intermediate_size"),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         num_experts=_int(cfg, "n_routed_experts", "num_local_experts", default=0),
         top_k=_int(cfg, "num_experts_per_tok", default=0),
-        moe_intermediate_size=_int(cfg, "moe_intermediate_size", default=0),
-        shared_intermediate_size=_int(cfg, "moe_shared_expert_intermediate_size", default=0),
+        moe_intermediate_size=_non_negative(_int(cfg, "moe_intermediate_size", default=0), "moe_intermediate_size"),
+        shared_intermediate_size=_non_negative(_int(cfg, "moe_shared_expert_intermediate_size", default=0),
+                                               "moe_shared_expert_intermediate_size"),
         n_group=_int(cfg, "n_group", default=1),
         topk_group=_int(cfg, "topk_group", default=1),
         norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-        routed_scaling_factor=_float(cfg.get("routed_scaling_factor", 1.0), "routed_scaling_factor"),
-        moe_latent_size=cfg.get("moe_latent_size"),
+        routed_scaling_factor=_float(cfg.get("routed_scaling_factor", 1.0), "routed_scaling_factor", finite=True),
+        moe_latent_size=(_positive(_int(cfg, "moe_latent_size"), "moe_latent_size")
+                         if cfg.get("moe_latent_size") is not None else None),
     )
     act = cfg.get("mlp_hidden_act", "relu2")
     if act != "relu2":
@@ -238,17 +281,17 @@ def _granite(cfg: dict) -> HybridConfig:
         kind = params.get("rope_type", (cfg.get("rope_scaling") or {}).get("rope_type", "default"))
         if kind != "default":
             raise ConfigError(f"config field 'rope_parameters.rope_type' {kind!r} is not supported (only 'default')")
-        rope_theta = _float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)), "rope_theta")
+        rope_theta = _float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)), "rope_theta", positive=True)
     elif rope_type not in (None, "nope"):
         raise ConfigError(f"config field 'position_embedding_type' must be 'rope', 'nope' or null, got {rope_type!r}")
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"config field 'hidden_act' must be 'silu' for GraniteMoeHybrid, got {act!r}")
     common = _common(cfg, GRANITE_MOE_HYBRID, layer_types)
-    common["attention_scale"] = _float(cfg.get("attention_multiplier", 1.0), "attention_multiplier")
+    common["attention_scale"] = _float(cfg.get("attention_multiplier", 1.0), "attention_multiplier", finite=True)
     return HybridConfig(
         **common,
-        norm_eps=_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
+        norm_eps=_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", positive=True),
         attention_bias=bool(cfg.get("attention_bias", False)),
         rope_theta=rope_theta,
         mamba_num_heads=mamba_heads,
@@ -259,13 +302,14 @@ def _granite(cfg: dict) -> HybridConfig:
         use_conv_bias=bool(cfg.get("mamba_conv_bias", True)),
         mamba_proj_bias=bool(cfg.get("mamba_proj_bias", False)),
         dt_limit=_time_step_limit(cfg),
-        intermediate_size=_int(cfg, "shared_intermediate_size", default=0),
-        num_experts=_int(cfg, "num_local_experts", default=0),
+        intermediate_size=_non_negative(_int(cfg, "shared_intermediate_size", default=0), "shared_intermediate_size"),
+        num_experts=_non_negative(_int(cfg, "num_local_experts", default=0), "num_local_experts"),
         top_k=_int(cfg, "num_experts_per_tok", default=0),
-        moe_intermediate_size=_int(cfg, "intermediate_size", default=0),
-        embedding_multiplier=_float(cfg.get("embedding_multiplier", 1.0), "embedding_multiplier"),
-        residual_multiplier=_float(cfg.get("residual_multiplier", 1.0), "residual_multiplier"),
-        logits_scaling=_float(cfg.get("logits_scaling", 1.0), "logits_scaling"),
+        moe_intermediate_size=_non_negative(_int(cfg, "intermediate_size", default=0), "intermediate_size"),
+        embedding_multiplier=_float(cfg.get("embedding_multiplier", 1.0), "embedding_multiplier", finite=True),
+        residual_multiplier=_float(cfg.get("residual_multiplier", 1.0), "residual_multiplier", finite=True),
+        # A divisor of the logits.
+        logits_scaling=_float(cfg.get("logits_scaling", 1.0), "logits_scaling", positive=True),
     )
 
 
@@ -288,20 +332,36 @@ def parse_hf_config(cfg: dict) -> HybridConfig:
     return c
 
 
+# The config.json spelling of each checked HybridConfig field, per family (for messages).
+_FIELD_NAMES = {
+    NEMOTRON_H: dict(mamba_n_groups="n_groups", num_experts="n_routed_experts"),
+    GRANITE_MOE_HYBRID: dict(mamba_num_heads="mamba_n_heads", mamba_head_dim="mamba_d_head",
+                             mamba_n_groups="mamba_n_groups", ssm_state_size="mamba_d_state",
+                             conv_kernel="mamba_d_conv", num_experts="num_local_experts"),
+}
+
+
 def _validate(c: HybridConfig) -> None:
+    names = _FIELD_NAMES[c.architecture]
+
+    def check(field_name: str) -> None:
+        _positive(getattr(c, field_name), names.get(field_name, field_name))
+
     if c.attention_layers:
-        _positive(c.num_attention_heads, "num_attention_heads")
-        if c.num_attention_heads % max(c.num_kv_heads, 1) or c.num_kv_heads <= 0:
-            raise ConfigError("config field 'num_key_value_heads' must divide num_attention_heads")
+        _positive(c.num_kv_heads, "num_key_value_heads")
+        if c.num_attention_heads % c.num_kv_heads:
+            raise ConfigError(f"config field 'num_key_value_heads' ({c.num_kv_heads}) must divide "
+                              f"num_attention_heads ({c.num_attention_heads})")
     if c.mamba_layers:
-        for name in ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "conv_kernel"):
-            _positive(getattr(c, name), name)
+        for field_name in ("mamba_num_heads", "mamba_head_dim", "mamba_n_groups", "ssm_state_size", "conv_kernel"):
+            check(field_name)
         if c.mamba_num_heads % c.mamba_n_groups:
-            raise ConfigError("config field 'n_groups' must divide the number of Mamba heads")
+            raise ConfigError(f"config field {names['mamba_n_groups']!r} must divide the number of Mamba heads")
     needs_experts = "moe" in c.layer_types or (c.architecture == GRANITE_MOE_HYBRID and c.num_experts > 0)
     if needs_experts:
-        _positive(c.num_experts, "n_routed_experts" if c.architecture == NEMOTRON_H else "num_local_experts")
+        check("num_experts")
         if not 0 < c.top_k <= c.num_experts:
             raise ConfigError(f"config field 'num_experts_per_tok' must be in [1, {c.num_experts}], got {c.top_k}")
+        _positive(c.n_group, "n_group")
         if c.num_experts % c.n_group or not 0 < c.topk_group <= c.n_group:
             raise ConfigError("config fields 'n_group' / 'topk_group' must satisfy topk_group <= n_group | n_experts")

@@ -2,8 +2,10 @@
 
 Checkpoints: `config.json` plus `model.safetensors` or a sharded set listed in
 `model.safetensors.index.json`. Names may use `backbone.` or `model.` prefixes, experts
-may be stored per expert or stacked. Every missing, unexpected or mis-shaped tensor is an
-error naming the key. `load_format="dummy"` gives seeded random weights of the real shapes.
+may be stored per expert or stacked. Every missing, unexpected, mis-shaped or non-finite
+(NaN/Inf) tensor, an unreadable file and an index naming a shard outside the directory are
+a `CheckpointError` (a ValueError) naming the key or file. `load_format="dummy"` gives
+seeded random weights of the real shapes.
 The model's layers run the kernel op set they are built with (`load_model(..., ops=...)`).
 """
 import json
@@ -13,7 +15,7 @@ import os
 from collections import defaultdict
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from hybrid_engine.models.base import PER_EXPERT_KEY, HybridForCausalLM
@@ -39,18 +41,38 @@ def read_config(path: str) -> dict:
     try:
         with open(config_path) as f:
             return json.load(f)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{config_path} is not valid JSON: {e}") from None
+
+
+def _shard_path(path: str, shard: object, index: str) -> str:
+    """The shard file a weight_map entry names; it must lie inside the checkpoint directory
+    (an index must not make the loader read files elsewhere, e.g. "../other/x.safetensors").
+
+    The check is on the normalized path, not the symlink-resolved one: the Hugging Face
+    cache keeps a snapshot's files as symlinks into a sibling blobs/ directory.
+    """
+    if not isinstance(shard, str) or not shard:
+        raise CheckpointError(f"{index}: weight_map entry {shard!r} is not a file name")
+    root = os.path.abspath(path)
+    file = os.path.abspath(os.path.join(root, shard))
+    if os.path.commonpath([root, file]) != root:
+        raise CheckpointError(f"{index}: weight_map entry {shard!r} is outside the checkpoint directory {path!r}")
+    return file
 
 
 def _safetensors_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
+        try:
+            with open(index, encoding="utf-8") as f:
+                data = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{index} is not valid JSON: {e}") from None
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index} has no 'weight_map' object")
-        return [os.path.join(path, shard) for shard in sorted(set(weight_map.values()))]
+        return [_shard_path(path, shard, index) for shard in sorted(set(weight_map.values()), key=str)]
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(single):
         return [single]
@@ -58,10 +80,32 @@ def _safetensors_files(path: str) -> list[str]:
 
 
 def _iter_checkpoint(files: list[str]):
+    """(name, tensor) of every tensor in `files`; an unreadable file is a CheckpointError naming it."""
     for file in files:
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():
-                yield key, f.get_tensor(key)
+        try:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    yield key, f.get_tensor(key)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read {file}: {e}") from None
+
+
+# Finiteness is checked in chunks of this many elements, so the boolean scratch stays
+# small next to a large embedding or expert stack.
+_FINITE_CHECK_CHUNK = 1 << 24
+
+
+def _first_non_finite_row(tensor: torch.Tensor) -> int | None:
+    """Index along dim 0 of the first NaN/Inf in `tensor` (0 for a scalar), None if all finite."""
+    if not tensor.is_floating_point():
+        return None
+    flat = tensor.reshape(-1)
+    for start in range(0, flat.numel(), _FINITE_CHECK_CHUNK):
+        finite = torch.isfinite(flat[start:start + _FINITE_CHECK_CHUNK])
+        if not finite.all():
+            offset = start + int((~finite).nonzero()[0])
+            return offset // (flat.numel() // tensor.shape[0]) if tensor.ndim else 0
+    return None
 
 
 def _target_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -77,9 +121,10 @@ def load_checkpoint_weights(model: HybridForCausalLM, path: str) -> None:
     """Copy every checkpoint tensor into its parameter (converting dtype), checking coverage."""
     targets = _target_tensors(model)
     loaded: set[str] = set()
-    experts: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
+    experts: dict[str, dict[int, tuple[str, torch.Tensor]]] = defaultdict(dict)  # name -> index -> (key, tensor)
 
-    def assign(name: str, tensor: torch.Tensor, source: str) -> None:
+    def assign(name: str, tensor: torch.Tensor, source: str, rows: list[str] | None = None) -> None:
+        """Copy `tensor` (checkpoint key `source`; `rows`: the key of each stacked expert) into `name`."""
         if name not in targets:
             raise CheckpointError(f"unexpected weight {source!r} in checkpoint (no parameter {name!r} in the model)")
         target = targets[name]
@@ -88,6 +133,14 @@ def load_checkpoint_weights(model: HybridForCausalLM, path: str) -> None:
                 f"weight {source!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)} for {name!r}"
             )
         target.copy_(tensor.to(target.dtype))
+        # Checked after the conversion, on the model's device: one pass, and it also
+        # catches finite values that overflow a narrower dtype (float32 -> float16).
+        bad_row = _first_non_finite_row(target)
+        if bad_row is not None:
+            key = rows[bad_row] if rows is not None else source
+            where = ("" if _first_non_finite_row(tensor) is not None
+                     else f" once converted to {target.dtype} (values beyond its range)")
+            raise CheckpointError(f"weight {key!r} in checkpoint {path!r} holds NaN or infinite values{where}")
         loaded.add(name)
 
     for key, tensor in _iter_checkpoint(_safetensors_files(path)):
@@ -96,13 +149,14 @@ def load_checkpoint_weights(model: HybridForCausalLM, path: str) -> None:
             continue
         per_expert = PER_EXPERT_KEY.match(name)
         if per_expert:
-            experts[f"{per_expert['prefix']}.{per_expert['name']}"][int(per_expert["index"])] = tensor
+            experts[f"{per_expert['prefix']}.{per_expert['name']}"][int(per_expert["index"])] = (key, tensor)
         else:
             assign(name, tensor, key)
     for name, by_index in experts.items():
         if sorted(by_index) != list(range(len(by_index))):
             raise CheckpointError(f"experts of {name!r} are not numbered 0..N-1: found {sorted(by_index)}")
-        assign(name, torch.stack([by_index[i] for i in range(len(by_index))]), f"{name} (per-expert tensors)")
+        keys, tensors = zip(*(by_index[i] for i in range(len(by_index))))
+        assign(name, torch.stack(tensors), f"{name} (per-expert tensors)", rows=list(keys))
 
     missing = sorted(set(targets) - loaded)
     if missing == ["lm_head.weight"] and model.config.tie_word_embeddings:

@@ -79,12 +79,17 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None) -> FastAPI:
         card = ModelCard(id=model_name, root=llm.info.model_name, max_model_len=llm.info.max_request_tokens)
         return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.get("/health")
     async def health() -> Response:
-        """200 while the engine thread serves, 503 otherwise (HEAD: the status alone)."""
+        """200 while the engine thread serves, 503 otherwise."""
         if llm.healthy:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "engine not running"}, status_code=503)
+
+    @app.head("/health", include_in_schema=False)
+    async def health_head() -> Response:
+        """GET /health's status, without the body (load balancers probe with HEAD)."""
+        return await health()
 
     @app.get("/metrics")
     async def metrics() -> Response:

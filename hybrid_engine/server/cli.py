@@ -2,9 +2,13 @@
 import argparse
 import asyncio
 import logging
+import math
 import signal
+import socket
+import sys
 from types import FrameType
 
+import torch
 import uvicorn
 
 from hybrid_engine.config import DTYPES, EngineConfig
@@ -46,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_waiting_requests < 0:
         p.error("--max-waiting-requests must be >= 0")
+    if not (math.isfinite(args.shutdown_timeout) and args.shutdown_timeout >= 0):
+        p.error(f"--shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}")
     return args
 
 
@@ -86,18 +92,52 @@ def _exit_now(signum: int, _: FrameType | None) -> None:
     raise SystemExit(0)
 
 
+def _bind_sockets(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound (not yet listening) to every address `host` resolves to, as uvicorn binds
+    them. Done before the engine loads, so a bad or taken address fails at once rather than
+    after minutes of loading; connections are refused until serving starts. Raises ValueError
+    or OSError saying which address."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {port}")
+    sockets: list[socket.socket] = []
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in dict.fromkeys(infos):  # getaddrinfo may repeat one
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # as asyncio: "::" must not also claim the IPv4 port
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sockets
+
+
+# Start-up failures that are the operator's to fix (a bad flag, config, checkpoint, tokenizer
+# file or address, too little memory): reported in one line, not as a traceback.
+_START_ERRORS = (ValueError, OSError, torch.OutOfMemoryError)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Load the engine, serve until SIGTERM/SIGINT, drain, exit 0 (2 on a bad configuration)."""
+    """Load the engine, serve until SIGTERM/SIGINT, drain, exit 0; a start-up failure prints
+    "cannot start: <reason>" on stderr and exits 2."""
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Loading can take a while; a signal meanwhile simply exits.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_now)
     config = engine_config(args)
+    sockets: list[socket.socket] = []
     try:
+        sockets = _bind_sockets(args.host, args.port)
         llm = AsyncLLM(lambda: LLMEngine(config), max_waiting_requests=args.max_waiting_requests)
-    except ValueError as exc:
-        logger.error("cannot start the engine: %s", exc)
+    except _START_ERRORS as exc:
+        for sock in sockets:
+            sock.close()
+        print(f"cannot start: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     info = llm.info
     served = args.served_model_name or info.model_name
@@ -118,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                             timeout_graceful_shutdown=args.shutdown_timeout + _ABORT_GRACE_S)
     server = _DrainingServer(config, llm, abort_after=args.shutdown_timeout)
     try:
-        server.run()
+        server.run(sockets=sockets)
     finally:
         llm.shutdown()
     return 0 if server.started else 1

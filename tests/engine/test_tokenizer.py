@@ -109,7 +109,7 @@ def test_load_tokenizer_round_trip(tmp_path: Path, byte_tok):
 
 def test_load_tokenizer_broken_files_raise(tmp_path: Path):
     (tmp_path / "tokenizer.json").write_text("not json")
-    with pytest.raises(RuntimeError, match="failed to load the tokenizer"):
+    with pytest.raises(ValueError, match="failed to load the tokenizer"):
         load_tokenizer(str(tmp_path))
 
 

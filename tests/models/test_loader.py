@@ -1,4 +1,5 @@
 """Checkpoint loading: layouts transformers and other tools write, and every error path."""
+import json
 import math
 import os
 import shutil
@@ -202,3 +203,90 @@ def test_dummy_weights_tie_embeddings_and_keep_mamba_fp32(nemotron_dir):
         if isinstance(mixer, Mamba2Mixer):
             assert {p.dtype for p in (mixer.A_log, mixer.D, mixer.dt_bias)} == {torch.float32}
             assert mixer.in_proj.weight.dtype == torch.bfloat16
+
+
+def _as_index_checkpoint(src: str, dst, weight_map_file: str, shard_dir=None) -> str:
+    """`src`'s config plus an index whose weight_map sends every tensor to `weight_map_file`;
+    the tensors are written to `shard_dir / basename(weight_map_file)` (default: inside `dst`)."""
+    os.makedirs(dst, exist_ok=True)
+    shutil.copy(os.path.join(src, "config.json"), dst)
+    shard_dir = shard_dir or dst
+    os.makedirs(shard_dir, exist_ok=True)
+    shutil.copy(os.path.join(src, "model.safetensors"), os.path.join(shard_dir, os.path.basename(weight_map_file)))
+    keys = load_file(os.path.join(src, "model.safetensors")).keys()
+    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": {k: weight_map_file for k in keys}}, f)
+    return str(dst)
+
+
+def _load(path: str, dtype: torch.dtype = torch.float32):
+    return load_model(read_config(path), path, torch.device("cpu"), dtype, ops=REFERENCE_OPS)
+
+
+def test_index_that_is_not_json_names_the_file(tmp_path, nemotron_dir):
+    path = _as_index_checkpoint(nemotron_dir, tmp_path / "ckpt", "model-00001-of-00001.safetensors")
+    _load(path)  # the well-formed index loads
+    (tmp_path / "ckpt" / "model.safetensors.index.json").write_text('{"weight_map": {')
+    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json is not valid JSON"):
+        _load(path)
+
+
+def test_index_cannot_point_outside_the_checkpoint(tmp_path, nemotron_dir):
+    """A weight_map entry that leaves the directory is refused (it used to be loaded), even
+    though the file it names exists and holds the right tensors. A symlink inside the
+    directory to a file elsewhere is the owner's choice and loads: the Hugging Face cache
+    keeps snapshot files as symlinks into ../../blobs."""
+    other = tmp_path / "other"
+    for i, shard in enumerate(["../other/model.safetensors", "sub/../../other/model.safetensors",
+                               str(other / "model.safetensors")]):
+        path = _as_index_checkpoint(nemotron_dir, tmp_path / f"ckpt{i}", shard, shard_dir=other)
+        with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
+            _load(path)
+
+    snapshot = tmp_path / "snapshots" / "rev"
+    path = _as_index_checkpoint(nemotron_dir, snapshot, "model.safetensors", shard_dir=tmp_path / "blobs")
+    os.symlink(os.path.join("..", "..", "blobs", "model.safetensors"), snapshot / "model.safetensors")
+    expected = load_file(os.path.join(nemotron_dir, "model.safetensors"))["lm_head.weight"]
+    assert torch.equal(_load(path).lm_head.weight, expected)
+
+
+def test_unreadable_safetensors_names_the_file(tmp_path, nemotron_dir):
+    path = _rewrite(nemotron_dir, tmp_path / "truncated", lambda t: t)
+    file = os.path.join(path, "model.safetensors")
+    os.truncate(file, os.path.getsize(file) // 2)
+    with pytest.raises(CheckpointError, match=rf"cannot read {file}"):
+        _load(path)
+    missing = _as_index_checkpoint(nemotron_dir, tmp_path / "missing", "model-00001-of-00001.safetensors")
+    os.remove(os.path.join(missing, "model-00001-of-00001.safetensors"))
+    with pytest.raises(CheckpointError, match=r"cannot read .*model-00001-of-00001\.safetensors"):
+        _load(missing)
+
+
+@pytest.mark.parametrize("key, bad", [
+    ("backbone.layers.0.mixer.in_proj.weight", float("nan")),
+    ("backbone.norm_f.weight", float("inf")),
+    ("backbone.layers.4.mixer.experts.2.up_proj.weight", float("-inf")),  # stacked at load: still named
+    ("backbone.layers.0.mixer.A_log", float("nan")),  # a tensor kept in float32
+])
+def test_non_finite_weight_is_refused_naming_the_tensor(tmp_path, nemotron_dir, key, bad):
+    def poison(tensors: dict) -> dict:
+        tensors[key].view(-1)[-1] = bad
+        return tensors
+
+    path = _rewrite(nemotron_dir, tmp_path / "poisoned", poison)
+    with pytest.raises(CheckpointError, match=rf"weight '{key}' .* holds NaN or infinite values$"):
+        _load(path)
+
+
+def test_weight_overflowing_the_model_dtype_is_refused(tmp_path, nemotron_dir):
+    """Finite in the float32 checkpoint, infinite once converted to float16."""
+    key = "backbone.layers.1.mixer.o_proj.weight"
+
+    def enlarge(tensors: dict) -> dict:
+        tensors[key][0, 0] = 1e6
+        return tensors
+
+    path = _rewrite(nemotron_dir, tmp_path / "large", enlarge)
+    assert _load(path).state_dict()["model.layers.1.mixer.o_proj.weight"][0, 0] == 1e6  # fine in float32
+    with pytest.raises(CheckpointError, match=rf"weight '{key}' .* once converted to torch.float16"):
+        _load(path, torch.float16)

@@ -1,0 +1,75 @@
+"""`scripts/serve_hybrid.py` start-up failures: the operator gets exit status 2 and one line
+"cannot start: <reason>" on stderr, not a traceback; flags out of range are usage errors."""
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from hybrid_engine.server.cli import parse_args
+from tests.models.conftest import make_hf_checkpoint
+from tests.server.conftest import SERVE_SCRIPT, free_port
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("ckpt")
+    make_hf_checkpoint(path, "nemotron_moe")
+    return str(path)
+
+
+def _copy(checkpoint: str, dst) -> str:
+    shutil.copytree(checkpoint, dst)
+    return str(dst)
+
+
+def _start_fails(*flags: str) -> str:
+    """Run the server with `flags`; assert it exits 2 printing exactly one "cannot start" line; return it."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    flags = ("--host", "127.0.0.1", "--device", "cpu", "--log-level", "warning") + flags
+    proc = subprocess.run([sys.executable, str(SERVE_SCRIPT), *flags], capture_output=True, text=True, env=env,
+                          timeout=300)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("cannot start: "), proc.stderr
+    return lines[0]
+
+
+def test_port_out_of_range():
+    assert _start_fails("--port", "99999") == "cannot start: --port must be in 0..65535, got 99999"
+
+
+def test_port_in_use():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = _start_fails("--port", str(port))
+    assert line.startswith(f"cannot start: cannot listen on 127.0.0.1:{port}: ")
+
+
+def test_truncated_safetensors(checkpoint, tmp_path):
+    path = _copy(checkpoint, tmp_path / "truncated")
+    file = os.path.join(path, "model.safetensors")
+    os.truncate(file, os.path.getsize(file) // 2)
+    line = _start_fails("--port", str(free_port()), "--model", path)
+    assert line.startswith(f"cannot start: cannot read {file}: ")
+
+
+def test_bad_tokenizer_file(checkpoint, tmp_path):
+    path = _copy(checkpoint, tmp_path / "bad_tokenizer")
+    with open(os.path.join(path, "tokenizer.json"), "w") as f:
+        f.write('{"version": "1.0", "model": ')
+    line = _start_fails("--port", str(free_port()), "--model", path)
+    assert line.startswith(f"cannot start: failed to load the tokenizer in {path!r} (tokenizer.json): ")
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_shutdown_timeout_must_be_finite_and_non_negative(value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--shutdown-timeout", value])
+    assert exit_info.value.code == 2
+    assert "--shutdown-timeout must be a finite number of seconds >= 0" in capsys.readouterr().err
+    assert parse_args(["--shutdown-timeout", "0"]).shutdown_timeout == 0.0
