@@ -44,6 +44,10 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skipped_ids = frozenset(tokenizer.all_special_ids) if skip_special_tokens else frozenset()
+        # Checkpoints pad their embeddings past the tokenizer (e.g. to a multiple of 128):
+        # ids from there have no text. They decode to "" rather than being masked from
+        # sampling, so the tokens stay exactly the model's (and HF's).
+        self._num_known = len(tokenizer)
         # An empty stop string would match everywhere; treat it as absent.
         self._stop = [s for s in stop or [] if s]
         self._include_stop_str_in_output = include_stop_str_in_output
@@ -119,13 +123,14 @@ class IncrementalDetokenizer:
         return delta
 
     def _to_tokens(self, token_ids: list[int]) -> list[str]:
-        """Map ids to token strings, dropping special tokens if asked to.
+        """Map ids to token strings, dropping special tokens if asked to and ids the
+        tokenizer does not have (the model's padded vocabulary).
 
         Special ids are filtered against a set computed once: transformers rebuilds its
         special-token list on every `convert_ids_to_tokens(skip_special_tokens=True)` call,
         which dominated per-token bookkeeping.
         """
-        kept = [t for t in token_ids if t not in self._skipped_ids]
+        kept = [t for t in token_ids if t < self._num_known and t not in self._skipped_ids]
         return self._tokenizer.convert_ids_to_tokens(kept) if kept else []
 
     def _decode_next(self, token_id: int) -> str:

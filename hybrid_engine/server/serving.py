@@ -103,10 +103,14 @@ class OpenAIServing:
         return params
 
     def token_text(self, token_id: int) -> str:
-        """A token's text for logprobs (`token_id:N` when the model has no tokenizer, as vLLM)."""
-        if self.info.tokenizer is None:
+        """A token's text for logprobs (`token_id:N` when the model has no tokenizer, as vLLM;
+        "" for an id of the model's padded vocabulary that the tokenizer does not have)."""
+        tokenizer = self.info.tokenizer
+        if tokenizer is None:
             return f"token_id:{token_id}"
-        return self.info.tokenizer.decode([token_id])
+        if token_id >= len(tokenizer):
+            return ""
+        return tokenizer.decode([token_id])
 
     # ---- running -----------------------------------------------------------------------
     def check_num_prompts(self, num_prompts: int) -> None:

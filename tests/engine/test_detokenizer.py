@@ -173,6 +173,9 @@ def test_work_per_step_is_bounded(byte_tok):
         def __getattr__(self, name):
             return getattr(byte_tok, name)
 
+        def __len__(self):  # dunder lookups skip __getattr__
+            return len(byte_tok)
+
         def convert_tokens_to_string(self, tokens):
             window_sizes.append(len(tokens))
             return real(tokens)
@@ -291,3 +294,12 @@ def test_stop_strings_property(byte_tok, text, stops, include, seed):
     expected_text, expected_stop = reference_stop(text, stops, include)
     assert "".join(deltas) == detok.text == expected_text
     assert detok.stop_reason == expected_stop
+
+
+def test_ids_past_the_tokenizer_decode_to_nothing(byte_tok):
+    """A model's padded vocabulary (ids the tokenizer does not have) adds no text, in the
+    prompt seed and in the output, and the text around them is unchanged."""
+    past = len(byte_tok) + 7
+    detok = IncrementalDetokenizer(byte_tok, byte_tok.encode("hi") + [past])
+    pieces = [detok.add_tokens([t]) for t in [*byte_tok.encode("ab"), past, *byte_tok.encode("c")]]
+    assert "".join(pieces) + detok.flush() == "abc"
