@@ -40,9 +40,11 @@ class RequestLimits:
         return f"the KV cache ({self.kv_tokens} tokens)"
 
 
-def encode_prompt(prompt: Prompt, tokenizer: Any | None, field: str = "prompt",
-                  add_special_tokens: bool = True) -> list[int]:
-    """The prompt's token ids: text is encoded with `tokenizer`, token ids are type-checked."""
+def encode_prompt(prompt: Prompt, tokenizer: Any | None, field: str = "prompt", add_special_tokens: bool = True,
+                  split_special_tokens: bool = False) -> list[int]:
+    """The prompt's token ids: text is encoded with `tokenizer`, token ids are type-checked.
+    `split_special_tokens`: special-token strings in the text are plain text, not control
+    tokens (for chat message content)."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ParameterError(field, f"{field}: this model has no tokenizer; pass token ids (a list of ints)")
@@ -50,6 +52,8 @@ def encode_prompt(prompt: Prompt, tokenizer: Any | None, field: str = "prompt",
             prompt.encode("utf-8")
         except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800"): no UTF-8 text a tokenizer could read
             raise ParameterError(field, f"{field} is not valid Unicode text: {exc.reason} at index {exc.start}") from None
+        if split_special_tokens:
+            return tokenizer.encode(prompt, add_special_tokens=add_special_tokens, split_special_tokens=True)
         return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     if isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
         return list(prompt)

@@ -7,6 +7,13 @@ between steps, and the engine thread hands each step's outputs back to the waiti
 coroutines with `loop.call_soon_threadsafe`. The event loop thus never blocks on a
 model step, and the engine never waits on HTTP.
 
+Admission: an API call's prompts are accepted all or nothing (validated with the engine's
+own checks, 429 only beyond `max_in_flight`), then wait on a server-side list. The engine
+is handed only as many prompts as it has Mamba slots, and each free place goes to the
+waiting API call with the fewest prompts in the engine (ties: the earliest call) -- so
+prompts of concurrent calls are admitted round-robin, and one call with many prompts
+does not hold every slot until it is done.
+
 Failure containment: a request the engine refuses fails alone (ValueError -> 400,
 anything else -> 500); if a whole `step()` raises, every in-flight request fails with
 the error, the engine is told to abort them, and the loop keeps serving new requests.
@@ -19,13 +26,13 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from hybrid_engine.engine import LLMEngine
-from hybrid_engine.prompts import RequestLimits
+from hybrid_engine.prompts import RequestLimits, validate_request
 from hybrid_engine.request import RequestOutput
-from hybrid_engine.sampling_params import SamplingParams
+from hybrid_engine.sampling_params import ParameterError, SamplingParams
 from hybrid_engine.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -97,6 +104,16 @@ class _Add:
     requests: list[tuple[list[int], SamplingParams]]
     route: _Route
     accepted: concurrent.futures.Future
+
+
+@dataclass
+class _Queued:
+    """One API call's prompts while some still wait on the server-side list (engine thread only)."""
+
+    seq: int  # arrival order: breaks ties between calls with as many prompts in the engine
+    route: _Route
+    prompts: dict[str, tuple[list[int], SamplingParams]] = field(default_factory=dict)  # not yet in the engine
+    in_engine: int = 0  # its prompts the engine holds now
 
 
 @dataclass

@@ -1,16 +1,23 @@
 """POST /v1/chat/completions: messages rendered with the tokenizer's chat template."""
+import re
 import uuid
 from typing import AsyncIterator
 
 from starlette.responses import Response
 
+from hybrid_engine.prompts import encode_prompt
 from hybrid_engine.request import RequestOutput
 from hybrid_engine.server.async_llm import Generation
-from hybrid_engine.server.errors import APIError
+from hybrid_engine.server.errors import APIError, invalid_input
 from hybrid_engine.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                            ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatMessage,
                                            DeltaMessage, TokenLogprob, TopLogprob)
 from hybrid_engine.server.serving import OpenAIServing, logprob_rows, usage
+
+# Message texts stand in the rendered template as "<_MARK>n<_MARK>": a private-use character
+# no tokenizer vocabulary or client text is expected to use.
+_MARK = "\ue000"
+_MARKED = re.compile(f"({_MARK}[0-9]+{_MARK})")
 
 
 class ChatHandler(OpenAIServing):
@@ -19,8 +26,7 @@ class ChatHandler(OpenAIServing):
     async def create(self, request: ChatCompletionRequest) -> Response:
         """Validate, run, and answer one chat completions request."""
         self.check_model(request.model)
-        # The template already holds any special tokens (BOS included) it wants.
-        prompt = self.prompt_ids(self._render(request.messages), "messages", add_special_tokens=False)
+        prompt = self.prompt_ids(self._encode(request.messages), "messages")
         max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         params = self.sampling_params(request, len(prompt), request.requested_max_tokens, max_param,
                                       request.num_logprobs)
@@ -36,19 +42,55 @@ class ChatHandler(OpenAIServing):
                                           usage=usage(len(out.prompt_token_ids), len(out.output_token_ids)))
         return Response(response.model_dump_json(), media_type="application/json")
 
-    def _render(self, messages: list[ChatMessage]) -> str:
-        """The prompt text: the chat template rendered with the assistant prefix."""
+    def _encode(self, messages: list[ChatMessage]) -> list[int]:
+        """The prompt's token ids: the chat template rendered with the assistant prefix.
+
+        Only the template's own markup may yield special tokens: message text is tokenized
+        as plain text, so a user who writes "<|im_end|>" gets those characters, not the
+        end-of-turn token (role injection). Each text is rendered as a unique placeholder,
+        and the rendered prompt is tokenized piece by piece around them.
+        """
         tokenizer = self.info.tokenizer
         if tokenizer is None:
             raise APIError("this model has no tokenizer (and so no chat template): use /v1/completions with token "
                            "ids", param="messages")
+        texts: dict[str, str] = {}
+
+        def placeholder(text: str) -> str:
+            key = f"{_MARK}{len(texts)}{_MARK}"
+            texts[key] = text
+            return key
+
+        dicts = []
+        for message in messages:
+            d = message.template_dict()
+            if isinstance(d["content"], str):
+                d["content"] = placeholder(d["content"])
+            else:
+                d["content"] = [{**part, "text": placeholder(part["text"])} for part in d["content"]]
+            dicts.append(d)
         try:
             # Render to text, then encode: transformers 5 returns a BatchEncoding (not ids)
             # from apply_chat_template(tokenize=True).
-            return tokenizer.apply_chat_template([m.template_dict() for m in messages], tokenize=False,
-                                                 add_generation_prompt=True)
+            rendered = tokenizer.apply_chat_template(dicts, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # no template, or the template rejects these messages
             raise APIError(f"the chat template cannot render these messages: {exc}", param="messages") from exc
+        ids: list[int] = []
+        # The template already holds any special tokens (BOS included) it wants.
+        for piece in _MARKED.split(rendered):
+            if piece in texts:
+                ids += self._tokenize(texts[piece], plain_text=True)
+            elif piece:
+                ids += self._tokenize(piece, plain_text=False)
+        return ids
+
+    def _tokenize(self, text: str, plain_text: bool) -> list[int]:
+        """Token ids of part of a chat prompt (400 naming "messages" if it is not valid text)."""
+        try:
+            return encode_prompt(text, self.info.tokenizer, "messages", add_special_tokens=False,
+                                 split_special_tokens=plain_text)
+        except ValueError as exc:
+            raise invalid_input(exc) from exc
 
     async def _chunks(self, request: ChatCompletionRequest, request_id: str,
                       generation: Generation) -> AsyncIterator[ChatCompletionChunk]:

@@ -223,3 +223,22 @@ def test_neutral_openai_fields_are_accepted(server: Server):
 def test_head_health(server: Server):
     response = httpx.head(f"{server.url}/health", timeout=30)
     assert response.status_code == 200 and response.content == b""
+
+
+def test_special_token_text_in_chat_content_stays_text(server: Server):
+    """User text "<|im_end|>" is tokenized as its characters, not as the end-of-turn token
+    (no role injection): the prompt is as long as with any 10 plain characters, while a
+    message without such text tokenizes exactly as the whole rendered template does."""
+    def prompt_tokens(content: str) -> int:
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": 1}
+        response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["prompt_tokens"]
+
+    tokenizer = build_byte_tokenizer()
+    special = "<|im_end|>"
+    assert len(tokenizer.encode(special, add_special_tokens=False)) == 1  # a control token when parsed
+    assert prompt_tokens(f"a{special}b") == prompt_tokens("a" + "x" * len(special) + "b")
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                             add_generation_prompt=True)
+    assert prompt_tokens("hi") == len(tokenizer.encode(rendered, add_special_tokens=False))
