@@ -13,6 +13,7 @@ Two sources of tokenizers exist:
 from __future__ import annotations
 
 import os
+import re
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -104,6 +105,30 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
     )
     tokenizer.chat_template = CHATML_TEMPLATE
     return tokenizer
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece byte-fallback pieces
+_BYTE_LEVEL_CHAR_TO_BYTE = {c: b for b, c in _gpt2_bytes_to_unicode().items()}
+
+
+def token_bytes(tokenizer: PreTrainedTokenizerBase, token_id: int) -> bytes:
+    """The bytes one token stands for, even when they are not valid UTF-8 on their own (part
+    of a character): byte-level BPE tokens map back through GPT-2's byte alphabet,
+    sentencepiece byte-fallback pieces ("<0xE2>") are their byte; anything else (special
+    tokens, whole-character pieces) is its decoded text. Ids past the tokenizer: b"".
+    """
+    if token_id >= len(tokenizer):
+        return b""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if token_id not in tokenizer.all_special_ids:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and isinstance(backend.decoder, decoders.ByteLevel):
+            if all(c in _BYTE_LEVEL_CHAR_TO_BYTE for c in piece):
+                return bytes(_BYTE_LEVEL_CHAR_TO_BYTE[c] for c in piece)
+        fallback = _BYTE_FALLBACK.fullmatch(piece)
+        if fallback is not None:
+            return bytes([int(fallback.group(1), 16)])
+    return tokenizer.decode([token_id]).encode("utf-8")
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:

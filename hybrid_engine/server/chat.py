@@ -120,5 +120,4 @@ class ChatHandler(OpenAIServing):
         ])
 
     def _entry(self, token_id: int, logprob: float) -> dict:
-        text = self.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": self.token_text(token_id), "logprob": logprob, "bytes": list(self.token_bytes(token_id))}

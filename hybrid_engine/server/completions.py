@@ -62,7 +62,7 @@ class CompletionsHandler(OpenAIServing):
             text = self.token_text(token)
             result.tokens.append(text)
             result.token_logprobs.append(logprob)
-            result.top_logprobs.append({self.token_text(t): lp for t, lp in top})
+            result.top_logprobs.append(self.top_logprobs_by_text(top))
             result.text_offset.append(text_offset)
             text_offset += len(text)
         return result, text_offset

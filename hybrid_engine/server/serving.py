@@ -16,12 +16,14 @@ from pydantic import BaseModel
 from starlette.background import BackgroundTask
 from starlette.responses import StreamingResponse
 
+from hybrid_engine.detokenizer import REPLACEMENT_CHAR
 from hybrid_engine.prompts import check_max_tokens, check_params, check_prompt, encode_prompt
 from hybrid_engine.request import RequestOutput
 from hybrid_engine.sampling_params import SamplingParams
 from hybrid_engine.server.async_llm import AsyncLLM, EngineUnavailable, Generation, QueueFull, RequestFailed
 from hybrid_engine.server.errors import RATE_LIMIT, SERVER_ERROR, APIError, invalid_input
 from hybrid_engine.server.protocol import SamplingRequest, UsageInfo
+from hybrid_engine.tokenizer import token_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +113,26 @@ class OpenAIServing:
         if token_id >= len(tokenizer):
             return ""
         return tokenizer.decode([token_id])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (part of a character included), for logprobs."""
+        if self.info.tokenizer is None:
+            return self.token_text(token_id).encode("utf-8")
+        return token_bytes(self.info.tokenizer, token_id)
+
+    def top_logprobs_by_text(self, top: list[tuple[int, float]]) -> dict[str, float]:
+        """Alternatives keyed by token text, one entry per token: a token whose text is not
+        whole characters (U+FFFD) or already taken by another token is keyed by its bytes,
+        "bytes:\\xe2\\x80", and failing that by "token_id:N"."""
+        entries: dict[str, float] = {}
+        for token_id, logprob in top:
+            key = self.token_text(token_id)
+            if key in entries or REPLACEMENT_CHAR in key:
+                key = "bytes:" + "".join(f"\\x{b:02x}" for b in self.token_bytes(token_id))
+            if key in entries:
+                key = f"token_id:{token_id}"
+            entries[key] = logprob
+        return entries
 
     # ---- running -----------------------------------------------------------------------
     def check_num_prompts(self, num_prompts: int) -> None:

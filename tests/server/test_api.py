@@ -152,8 +152,16 @@ def test_chat_logprobs_content_format(client: openai.OpenAI):
                                        top_logprobs=2, **GREEDY)
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
+    # Byte tokenizer: every non-special token is one byte, also when it is only part of a
+    # character (its text is then U+FFFD, its bytes the real byte); together they spell the
+    # content (special tokens are skipped there).
+    special = set(build_byte_tokenizer().all_special_tokens)
+    plain = [entry for entry in content if entry.token not in special]
+    assert all(len(entry.bytes) == 1 for entry in plain)
+    raw = b"".join(bytes(entry.bytes) for entry in plain)
+    assert raw.decode("utf-8", errors="replace") == r.choices[0].message.content
     for entry in content:
-        assert entry.logprob <= 0 and entry.bytes == list(entry.token.encode())
+        assert entry.logprob <= 0
         assert len(entry.top_logprobs) == 2
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
         assert abs(entry.top_logprobs[0].logprob - entry.logprob) < 1e-4  # greedy: sampled = most likely
@@ -242,3 +250,14 @@ def test_special_token_text_in_chat_content_stays_text(server: Server):
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
                                              add_generation_prompt=True)
     assert prompt_tokens("hi") == len(tokenizer.encode(rendered, add_special_tokens=False))
+
+
+def test_completion_top_logprobs_has_every_alternative(server: Server):
+    """As many alternatives as asked at every position, although several byte tokens decode
+    to the same U+FFFD: those are keyed by their bytes ("bytes:\\xNN")."""
+    body = {"prompt": "\u00e9t\u00e9 ", "max_tokens": 24, "temperature": 0, "logprobs": 8}
+    logprobs = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()["choices"][0]["logprobs"]
+    assert [len(top) for top in logprobs["top_logprobs"]] == [8] * 24
+    keys = [key for top in logprobs["top_logprobs"] for key in top]
+    assert any(key.startswith("bytes:\\x") for key in keys), "the test needs partial-character alternatives"
+    assert "\ufffd" not in "".join(keys)
