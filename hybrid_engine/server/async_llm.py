@@ -10,9 +10,9 @@ model step, and the engine never waits on HTTP.
 Admission: an API call's prompts are accepted all or nothing (validated with the engine's
 own checks, 429 only beyond `max_in_flight`), then wait on a server-side list. The engine
 is handed only as many prompts as it has Mamba slots, and each free place goes to the
-waiting API call with the fewest prompts in the engine (ties: the earliest call) -- so
-prompts of concurrent calls are admitted round-robin, and one call with many prompts
-does not hold every slot until it is done.
+waiting API call with the fewest prompts in the engine, then the fewest handed over so
+far, then the earliest -- so prompts of concurrent calls are admitted round-robin, and
+one call with many prompts does not hold every slot until it is done.
 
 Failure containment: a request the engine refuses fails alone (ValueError -> 400,
 anything else -> 500); if a whole `step()` raises, every in-flight request fails with
@@ -110,10 +110,11 @@ class _Add:
 class _Queued:
     """One API call's prompts while some still wait on the server-side list (engine thread only)."""
 
-    seq: int  # arrival order: breaks ties between calls with as many prompts in the engine
+    seq: int  # arrival order: the last tie-break between calls
     route: _Route
     prompts: dict[str, tuple[list[int], SamplingParams]] = field(default_factory=dict)  # not yet in the engine
     in_engine: int = 0  # its prompts the engine holds now
+    admitted: int = 0  # its prompts handed to the engine so far
 
 
 @dataclass
@@ -165,18 +166,30 @@ class AsyncLLM:
     and any thread-local settings live there). The constructor returns once the
     engine is built, re-raising its construction error. At most
     `max_num_seqs + max_waiting_requests` requests are in flight; beyond that
-    `submit` raises `QueueFull`.
+    `submit` raises `QueueFull`. One call brings at most `max_prompts_per_request`
+    prompts (default: max_num_seqs, so one call can fill the running batch but not
+    the waiting room as well).
     """
 
-    def __init__(self, engine_factory: Callable[[], LLMEngine], max_waiting_requests: int = 256):
+    def __init__(self, engine_factory: Callable[[], LLMEngine], max_waiting_requests: int = 256,
+                 max_prompts_per_request: int | None = None):
         if max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests}")
+        if max_prompts_per_request is not None and max_prompts_per_request < 1:
+            raise ValueError(f"max_prompts_per_request must be >= 1, got {max_prompts_per_request}")
         self.max_waiting_requests = max_waiting_requests
         self.metrics = ServerMetrics(lambda: self.stats)
         self.info: EngineInfo
         self.stats: dict[str, int] = {}  # the latest engine.stats() plus in_flight, replaced whole
         self._commands: queue.Queue = queue.Queue()
-        self._routes: dict[str, _Route] = {}  # engine thread only
+        # Engine thread only: where every in-flight request's outputs go; the calls with
+        # prompts still on the server-side list (by arrival), each prompt's call, and how
+        # many prompts wait on that list.
+        self._routes: dict[str, _Route] = {}
+        self._queued: dict[int, _Queued] = {}
+        self._owner: dict[str, _Queued] = {}
+        self._num_queued = 0
+        self._next_seq = 0
         self._stopping = False
         self._lock = threading.Lock()  # orders "queue a submit" against "engine thread exits"
         self._ready = threading.Event()
@@ -186,6 +199,8 @@ class AsyncLLM:
         self._ready.wait()
         if self._init_error is not None:
             raise self._init_error
+        self.max_prompts_per_request = (self.info.max_num_seqs if max_prompts_per_request is None
+                                        else max_prompts_per_request)
 
     @property
     def max_in_flight(self) -> int:
@@ -197,13 +212,22 @@ class AsyncLLM:
         """True while the engine thread runs and accepts requests."""
         return self._thread.is_alive() and not self._stopping
 
+    def check_num_prompts(self, num_prompts: int) -> None:
+        """ParameterError("prompt") for more prompts in one call than `max_prompts_per_request`."""
+        if num_prompts > self.max_prompts_per_request:
+            raise ParameterError("prompt", f"prompt: {num_prompts} prompts in one request; this server takes at most "
+                                           f"{self.max_prompts_per_request} per request (--max-prompts-per-request)")
+
     # ---- event-loop side -------------------------------------------------------------
     async def submit(self, request_id: str, requests: list[tuple[list[int], SamplingParams]]) -> Generation:
-        """Queue one engine request per (prompt token ids, params); returns once the engine took them.
+        """Queue one engine request per (prompt token ids, params); returns once the engine
+        thread accepted them (they reach the engine as it has room, see the module doc).
 
-        Raises ValueError (invalid request, nothing queued), QueueFull, EngineUnavailable,
-        or whatever else `add_requests` raised. Engine request ids are `{request_id}-{i}`.
+        Raises ValueError (invalid request or too many prompts, nothing queued), QueueFull,
+        EngineUnavailable, or whatever else validating them raised. Engine request ids are
+        `{request_id}-{i}`.
         """
+        self.check_num_prompts(len(requests))
         request_ids = [f"{request_id}-{i}" for i in range(len(requests))]
         route = _Route(asyncio.get_running_loop(), asyncio.Queue())
         accepted: concurrent.futures.Future = concurrent.futures.Future()
@@ -268,12 +292,13 @@ class AsyncLLM:
         )
 
     def _loop(self, engine: LLMEngine) -> None:
-        """Commands, then a step, until told to stop; no exception ends the loop."""
+        """Commands, then admissions, then a step, until told to stop; no exception ends the loop."""
         failures = 0
         while True:
             try:
-                if not self._run_commands(engine, block=not engine.has_unfinished_requests()):
+                if not self._run_commands(engine, block=not (engine.has_unfinished_requests() or self._queued)):
                     return
+                self._feed(engine)
                 ok = self._step(engine) if engine.has_unfinished_requests() else True
                 self._publish_stats(engine)
             except Exception:  # a bug outside the step itself: log it, keep serving
@@ -296,11 +321,10 @@ class AsyncLLM:
             if isinstance(command, _Add):
                 self._add(engine, command)
             else:
-                for request_id in list(self._routes) if command.request_ids is None else command.request_ids:
-                    if request_id in self._routes:
-                        engine.abort_request(request_id)
+                self._abort(engine, list(self._routes) if command.request_ids is None else command.request_ids)
 
     def _add(self, engine: LLMEngine, command: _Add) -> None:
+        """Accept an API call's prompts onto the server-side list, all or none."""
         if not command.accepted.set_running_or_notify_cancel():
             return  # the caller stopped waiting before we got here
         if len(self._routes) + len(command.request_ids) > self.max_in_flight:
@@ -309,18 +333,78 @@ class AsyncLLM:
                 f"the server is at capacity ({len(self._routes)} requests in flight, at most {self.max_in_flight}); "
                 f"retry later"))
             return
-        try:  # all of an API call's prompts run, or none
-            engine.add_requests([(request_id, prompt, params)
-                                 for request_id, (prompt, params) in zip(command.request_ids, command.requests)])
+        try:  # the engine's own checks now, so that a prompt handed over later cannot be refused
+            for request_id, (prompt, params) in zip(command.request_ids, command.requests):
+                if request_id in self._routes:
+                    raise ValueError(f"request_id {request_id!r} is already in use")
+                validate_request(prompt, params, engine.limits, engine.tokenizer)
         except Exception as exc:
             if not isinstance(exc, ValueError):
-                logger.exception("add_requests failed for %s", command.request_ids)
+                logger.exception("validating %s failed", command.request_ids)
             command.accepted.set_exception(exc)
             return
-        for request_id, (prompt, _) in zip(command.request_ids, command.requests):
+        call = _Queued(self._next_seq, command.route, dict(zip(command.request_ids, command.requests)))
+        self._next_seq += 1
+        if call.prompts:
+            self._queued[call.seq] = call
+        for request_id, (prompt, _) in call.prompts.items():
             self._routes[request_id] = command.route
+            self._owner[request_id] = call
             self.metrics.prompt_tokens.inc(len(prompt))
+        self._num_queued += len(call.prompts)
         command.accepted.set_result(None)
+
+    def _feed(self, engine: LLMEngine) -> None:
+        """Hand waiting prompts to the engine while it holds fewer than max_num_seqs, each to
+        the call with the fewest prompts in the engine, then the fewest admitted, then the earliest."""
+        failed: list[tuple[_Route, RequestFailed]] = []
+        while self._queued and len(self._routes) - self._num_queued < self.info.max_num_seqs:
+            call = min(self._queued.values(), key=lambda c: (c.in_engine, c.admitted, c.seq))
+            request_id = next(iter(call.prompts))
+            prompt, params = self._unqueue(call, request_id)
+            try:
+                engine.add_requests([(request_id, prompt, params)])
+            except Exception as exc:  # validated at accept time: an engine bug, fails this prompt alone
+                logger.exception("add_requests failed for %s", request_id)
+                self._end(request_id, "error")
+                failed.append((call.route, RequestFailed(
+                    request_id, f"the engine could not take the request: {type(exc).__name__}: {exc}")))
+                continue
+            call.in_engine += 1
+            call.admitted += 1
+        self._deliver(failed)
+
+    def _unqueue(self, call: _Queued, request_id: str) -> tuple[list[int], SamplingParams]:
+        """Take a prompt off the server-side list."""
+        entry = call.prompts.pop(request_id)
+        self._num_queued -= 1
+        if not call.prompts:
+            del self._queued[call.seq]
+        return entry
+
+    def _end(self, request_id: str, finish_reason: str) -> _Queued:
+        """Forget a finished request's route, count it, and return its call."""
+        del self._routes[request_id]
+        self.metrics.finished.labels(finish_reason).inc()
+        return self._owner.pop(request_id)
+
+    def _abort(self, engine: LLMEngine, request_ids: list[str]) -> None:
+        """Abort requests: one still on the server-side list ends here with finish_reason
+        "abort" (it never reaches the engine); the engine ends the others at its next step."""
+        deliveries: list[tuple[_Route, RequestOutput]] = []
+        for request_id in request_ids:
+            call = self._owner.get(request_id)
+            if call is None:
+                continue  # finished already, or not ours
+            if request_id not in call.prompts:
+                engine.abort_request(request_id)
+                continue
+            prompt, params = self._unqueue(call, request_id)
+            self._end(request_id, "abort")
+            deliveries.append((call.route, RequestOutput(
+                request_id, None, prompt, [], [] if params.logprobs is not None else None,
+                None if engine.tokenizer is None else [], "", True, "abort", None, [], "", None)))
+        self._deliver(deliveries)
 
     def _step(self, engine: LLMEngine) -> bool:
         """One engine step, its outputs delivered; False if the step raised."""
@@ -338,8 +422,7 @@ class AsyncLLM:
             if route is None:
                 continue  # aborted by its caller (or rolled back); nobody is listening
             if out.finished:
-                del self._routes[out.request_id]
-                self.metrics.finished.labels(out.finish_reason or "unknown").inc()
+                self._end(out.request_id, out.finish_reason or "unknown").in_engine -= 1
             self.metrics.generation_tokens.inc(len(out.new_token_ids))
             deliveries.append((route, out))
         self._deliver(deliveries)
@@ -349,6 +432,9 @@ class AsyncLLM:
         """Fail every routed request with `message` and tell the engine to drop them."""
         failed = list(self._routes.items())
         self._routes.clear()
+        self._queued.clear()
+        self._owner.clear()
+        self._num_queued = 0
         for request_id, _ in failed:
             try:
                 engine.abort_request(request_id)
@@ -370,7 +456,9 @@ class AsyncLLM:
                 pass  # that event loop is closed: nobody is waiting for these outputs
 
     def _publish_stats(self, engine: LLMEngine) -> None:
-        self.stats = {**engine.stats(), "in_flight": len(self._routes)}
+        stats = engine.stats()
+        # "waiting" as clients see it: in the engine's queue or on the server-side list.
+        self.stats = {**stats, "waiting": stats["waiting"] + self._num_queued, "in_flight": len(self._routes)}
 
     def _close(self, engine: LLMEngine) -> None:
         """On exit: fail submits never processed, abort what is in flight."""
@@ -383,8 +471,7 @@ class AsyncLLM:
             if isinstance(command, _Add) and command.accepted.set_running_or_notify_cancel():
                 command.accepted.set_exception(EngineUnavailable("the server is shutting down"))
         try:
-            for request_id in list(self._routes):
-                engine.abort_request(request_id)
+            self._abort(engine, list(self._routes))
             if engine.has_unfinished_requests():
                 self._step(engine)  # hands the aborts' final outputs to their callers
         except Exception:

@@ -44,12 +44,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-cuda-graphs", action="store_true", help="disable CUDA graphs")
     p.add_argument("--max-waiting-requests", type=int, default=256,
                    help="requests admitted beyond --max-num-seqs before answering 429")
+    p.add_argument("--max-prompts-per-request", type=int, default=None,
+                   help="prompts one completions request may bring (more is a 400; default: --max-num-seqs)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT before they are aborted")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     args = p.parse_args(argv)
     if args.max_waiting_requests < 0:
         p.error("--max-waiting-requests must be >= 0")
+    if args.max_prompts_per_request is not None and args.max_prompts_per_request < 1:
+        p.error("--max-prompts-per-request must be >= 1")
     if not (math.isfinite(args.shutdown_timeout) and args.shutdown_timeout >= 0):
         p.error(f"--shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}")
     return args
@@ -133,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     sockets: list[socket.socket] = []
     try:
         sockets = _bind_sockets(args.host, args.port)
-        llm = AsyncLLM(lambda: LLMEngine(config), max_waiting_requests=args.max_waiting_requests)
+        llm = AsyncLLM(lambda: LLMEngine(config), max_waiting_requests=args.max_waiting_requests,
+                       max_prompts_per_request=args.max_prompts_per_request)
     except _START_ERRORS as exc:
         for sock in sockets:
             sock.close()
@@ -143,9 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     served = args.served_model_name or info.model_name
     logger.info(
         "serving %r (model %s) on http://%s:%d | device=%s dtype=%s kernels=%s | capacity: %d concurrent requests "
-        "(+%d waiting), %d KV tokens (%d blocks x %d), max context %d tokens",
+        "(+%d waiting, at most %d prompts per request), %d KV tokens (%d blocks x %d), max context %d tokens",
         served, info.model_name, args.host, args.port, info.device, info.dtype, info.kernels, info.max_num_seqs,
-        args.max_waiting_requests, info.kv_tokens, info.total_kv_blocks, info.kv_block_size, info.max_request_tokens,
+        args.max_waiting_requests, llm.max_prompts_per_request, info.kv_tokens, info.total_kv_blocks,
+        info.kv_block_size, info.max_request_tokens,
     )
     # uvicorn handles SIGTERM/SIGINT while serving (stop accepting, let open requests
     # finish for --shutdown-timeout, after which _DrainingServer aborts the rest in the
