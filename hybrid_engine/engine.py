@@ -178,18 +178,18 @@ class LLMEngine:
     def add_requests(self, requests: Sequence[tuple[str, str | list[int], SamplingParams | dict | None]]) -> None:
         """Queue several (request_id, prompt, params) requests all or nothing: every one is
         validated first, and if any is invalid a ValueError names it and none is queued."""
-        new: list[Request] = []
+        new: dict[str, Request] = {}
         seed_counter = self._seed_counter
         for request_id, prompt, params in requests:
             if not isinstance(request_id, str) or not request_id:
                 raise ValueError("request_id must be a non-empty string")
-            if request_id in self.requests or any(r.request_id == request_id for r in new):
+            if request_id in self.requests or request_id in new:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             request = self._make_request(request_id, prompt, params, derive_seed(self.config.seed, seed_counter))
             seed_counter += request.params.seed is None
-            new.append(request)
+            new[request_id] = request
         self._seed_counter = seed_counter
-        for request in new:
+        for request in new.values():
             self.requests[request.request_id] = request
             self.scheduler.add(request)
 

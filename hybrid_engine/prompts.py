@@ -52,9 +52,7 @@ def encode_prompt(prompt: Prompt, tokenizer: Any | None, field: str = "prompt", 
             prompt.encode("utf-8")
         except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800"): no UTF-8 text a tokenizer could read
             raise ParameterError(field, f"{field} is not valid Unicode text: {exc.reason} at index {exc.start}") from None
-        if split_special_tokens:
-            return tokenizer.encode(prompt, add_special_tokens=add_special_tokens, split_special_tokens=True)
-        return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        return tokenizer.encode(prompt, add_special_tokens=add_special_tokens, split_special_tokens=split_special_tokens)
     if isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
         return list(prompt)
     raise ParameterError(field, f"{field} must be a string or a list of token ids (ints)")

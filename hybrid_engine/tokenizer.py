@@ -111,24 +111,32 @@ _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece byte-fallb
 _BYTE_LEVEL_CHAR_TO_BYTE = {c: b for b, c in _gpt2_bytes_to_unicode().items()}
 
 
-def token_bytes(tokenizer: PreTrainedTokenizerBase, token_id: int) -> bytes:
-    """The bytes one token stands for, even when they are not valid UTF-8 on their own (part
-    of a character): byte-level BPE tokens map back through GPT-2's byte alphabet,
-    sentencepiece byte-fallback pieces ("<0xE2>") are their byte; anything else (special
-    tokens, whole-character pieces) is its decoded text. Ids past the tokenizer: b"".
-    """
-    if token_id >= len(tokenizer):
-        return b""
-    piece = tokenizer.convert_ids_to_tokens(token_id)
-    if token_id not in tokenizer.all_special_ids:
+class TokenBytes:
+    """token id -> the bytes the token stands for, even when they are not valid UTF-8 on
+    their own (part of a character): byte-level BPE tokens map back through GPT-2's byte
+    alphabet, sentencepiece byte-fallback pieces ("<0xE2>") are their byte; anything else
+    (special tokens, whole-character pieces) is its decoded text; ids past the tokenizer
+    (a padded vocabulary) are b"". What it needs of the tokenizer is looked up once:
+    transformers rebuilds `all_special_ids` on every access."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self._tokenizer = tokenizer
+        self._num_known = len(tokenizer)
+        self._special_ids = frozenset(tokenizer.all_special_ids)
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is not None and isinstance(backend.decoder, decoders.ByteLevel):
-            if all(c in _BYTE_LEVEL_CHAR_TO_BYTE for c in piece):
+        self._byte_level = backend is not None and isinstance(backend.decoder, decoders.ByteLevel)
+
+    def __call__(self, token_id: int) -> bytes:
+        if token_id >= self._num_known:
+            return b""
+        if token_id not in self._special_ids:
+            piece = self._tokenizer.convert_ids_to_tokens(token_id)
+            if self._byte_level and all(c in _BYTE_LEVEL_CHAR_TO_BYTE for c in piece):
                 return bytes(_BYTE_LEVEL_CHAR_TO_BYTE[c] for c in piece)
-        fallback = _BYTE_FALLBACK.fullmatch(piece)
-        if fallback is not None:
-            return bytes([int(fallback.group(1), 16)])
-    return tokenizer.decode([token_id]).encode("utf-8")
+            fallback = _BYTE_FALLBACK.fullmatch(piece)
+            if fallback is not None:
+                return bytes([int(fallback.group(1), 16)])
+        return self._tokenizer.decode([token_id]).encode("utf-8")
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:

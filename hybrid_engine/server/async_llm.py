@@ -65,8 +65,7 @@ class EngineInfo:
 
     model_name: str
     tokenizer: Any | None  # the front end's own copy (see AsyncLLM._describe)
-    vocab_size: int
-    max_model_len: int
+    limits: RequestLimits  # what a request must fit (the engine's own, `LLMEngine.limits`)
     max_num_seqs: int
     kv_block_size: int
     total_kv_blocks: int
@@ -78,11 +77,6 @@ class EngineInfo:
     def kv_tokens(self) -> int:
         """Tokens the whole KV cache holds."""
         return self.total_kv_blocks * self.kv_block_size
-
-    @property
-    def limits(self) -> RequestLimits:
-        """What a request must fit (what `hybrid_engine.prompts` checks against)."""
-        return RequestLimits(vocab_size=self.vocab_size, max_model_len=self.max_model_len, kv_tokens=self.kv_tokens)
 
     @property
     def max_request_tokens(self) -> int:
@@ -183,12 +177,10 @@ class AsyncLLM:
         self.stats: dict[str, int] = {}  # the latest engine.stats() plus in_flight, replaced whole
         self._commands: queue.Queue = queue.Queue()
         # Engine thread only: where every in-flight request's outputs go; the calls with
-        # prompts still on the server-side list (by arrival), each prompt's call, and how
-        # many prompts wait on that list.
+        # prompts still on the server-side list (by arrival), and each prompt's call.
         self._routes: dict[str, _Route] = {}
         self._queued: dict[int, _Queued] = {}
         self._owner: dict[str, _Queued] = {}
-        self._num_queued = 0
         self._next_seq = 0
         self._stopping = False
         self._lock = threading.Lock()  # orders "queue a submit" against "engine thread exits"
@@ -211,6 +203,11 @@ class AsyncLLM:
     def healthy(self) -> bool:
         """True while the engine thread runs and accepts requests."""
         return self._thread.is_alive() and not self._stopping
+
+    @property
+    def _num_queued(self) -> int:
+        """Prompts on the server-side list (engine thread only)."""
+        return sum(len(call.prompts) for call in self._queued.values())
 
     def check_num_prompts(self, num_prompts: int) -> None:
         """ParameterError("prompt") for more prompts in one call than `max_prompts_per_request`."""
@@ -285,8 +282,7 @@ class AsyncLLM:
         tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
         cfg = engine.config
         return EngineInfo(
-            model_name=engine.model_name, tokenizer=tokenizer, vocab_size=engine.model_config.vocab_size,
-            max_model_len=engine.max_model_len, max_num_seqs=stats["total_mamba_slots"],
+            model_name=engine.model_name, tokenizer=tokenizer, limits=engine.limits, max_num_seqs=stats["total_mamba_slots"],
             kv_block_size=cfg.kv_block_size, total_kv_blocks=stats["total_kv_blocks"], device=str(cfg.device),
             dtype=cfg.dtype, kernels=engine.kernels.name,
         )
@@ -351,7 +347,6 @@ class AsyncLLM:
             self._routes[request_id] = command.route
             self._owner[request_id] = call
             self.metrics.prompt_tokens.inc(len(prompt))
-        self._num_queued += len(call.prompts)
         command.accepted.set_result(None)
 
     def _feed(self, engine: LLMEngine) -> None:
@@ -377,7 +372,6 @@ class AsyncLLM:
     def _unqueue(self, call: _Queued, request_id: str) -> tuple[list[int], SamplingParams]:
         """Take a prompt off the server-side list."""
         entry = call.prompts.pop(request_id)
-        self._num_queued -= 1
         if not call.prompts:
             del self._queued[call.seq]
         return entry
@@ -434,7 +428,6 @@ class AsyncLLM:
         self._routes.clear()
         self._queued.clear()
         self._owner.clear()
-        self._num_queued = 0
         for request_id, _ in failed:
             try:
                 engine.abort_request(request_id)

@@ -23,7 +23,7 @@ from hybrid_engine.sampling_params import SamplingParams
 from hybrid_engine.server.async_llm import AsyncLLM, EngineUnavailable, Generation, QueueFull, RequestFailed
 from hybrid_engine.server.errors import RATE_LIMIT, SERVER_ERROR, APIError, invalid_input
 from hybrid_engine.server.protocol import SamplingRequest, UsageInfo
-from hybrid_engine.tokenizer import token_bytes
+from hybrid_engine.tokenizer import TokenBytes
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,10 @@ class OpenAIServing:
 
     def __init__(self, llm: AsyncLLM, served_model_name: str):
         self.llm, self.info, self.served_model_name = llm, llm.info, served_model_name
+        tokenizer = self.info.tokenizer
+        # Looked up once: logprobs ask for every generated token and its alternatives.
+        self._num_known_tokens = 0 if tokenizer is None else len(tokenizer)
+        self._token_bytes = None if tokenizer is None else TokenBytes(tokenizer)
 
     # ---- request checks ----------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -110,15 +114,15 @@ class OpenAIServing:
         tokenizer = self.info.tokenizer
         if tokenizer is None:
             return f"token_id:{token_id}"
-        if token_id >= len(tokenizer):
+        if token_id >= self._num_known_tokens:
             return ""
         return tokenizer.decode([token_id])
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token stands for (part of a character included), for logprobs."""
-        if self.info.tokenizer is None:
+        if self._token_bytes is None:
             return self.token_text(token_id).encode("utf-8")
-        return token_bytes(self.info.tokenizer, token_id)
+        return self._token_bytes(token_id)
 
     def top_logprobs_by_text(self, top: list[tuple[int, float]]) -> dict[str, float]:
         """Alternatives keyed by token text, one entry per token: a token whose text is not
@@ -136,7 +140,12 @@ class OpenAIServing:
 
     # ---- running -----------------------------------------------------------------------
     def check_num_prompts(self, num_prompts: int) -> None:
-        """400 for more prompts than the server ever admits at once (429 would never clear)."""
+        """400 for more prompts than one request may bring (`--max-prompts-per-request`) or
+        than the server ever admits at once (429 would never clear)."""
+        try:
+            self.llm.check_num_prompts(num_prompts)
+        except ValueError as exc:
+            raise invalid_input(exc) from exc
         if num_prompts > self.llm.max_in_flight:
             raise APIError(f"{num_prompts} prompts in one request; this server admits at most "
                            f"{self.llm.max_in_flight} requests at once", param="prompt")

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 # Tokens per block of the chunked scan. The result does not depend on it (the blocking is
-# exact up to rounding); 32 matches the Triton scan's blocking, so both round alike.
+# exact up to rounding); the Triton scan imports it, so both block and round alike.
 CHUNK = 32
 
 

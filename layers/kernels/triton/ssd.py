@@ -19,10 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
-# Measured on an H100 over (8B shapes: 1 x 4096 and 32 x 128 tokens; peer shapes: 32 x 256
-# and 1 x 4096) against chunks 32/64/128, blocks 16/32/64, 4/8 warps: whole heads per
-# program (B and C are read once per head, not per channel block) with 32-token chunks won.
-CHUNK = 32  # tokens per step of the sequential walk (the SSD's block size)
+# The SSD's block size, shared with the reference scan so both round alike. Measured on an
+# H100 over (8B shapes: 1 x 4096 and 32 x 128 tokens; peer shapes: 32 x 256 and 1 x 4096)
+# against chunks 32/64/128, blocks 16/32/64, 4/8 warps: whole heads per program (B and C
+# are read once per head, not per channel block) with 32-token chunks won.
+from layers.kernels.reference.ssd import CHUNK
+
 BLOCK_P = 64  # head channels per program: the state tile is BLOCK_P x state_size float32
 NUM_WARPS = 4
 
