@@ -2,18 +2,25 @@
 request's launched row reads and writes.
 
 A request owns a *row* (its index in the per-request tables: block table, sampling row,
-token history) and a *ring* of state slots. Every launched row of the request reads one
-slot of the ring and writes the next one, so nothing is ever overwritten that a rejected
-launch would need back:
+token history) and a *ring* of state slots split into `banks` banks of `row_positions`
+slots. A launched row reads one slot (the request's *head*: the state its newest live row
+leaves, or the committed state) and writes the state after each of its positions into the
+first slots of the bank that does not hold what it reads, so nothing is ever overwritten
+that a rejected launch or a partial acceptance would need back:
 
-- ring of 1 (serial scheduling): the row updates its slot in place;
-- ring of 2 (launch-ahead, "ping-pong"): step N reads the committed copy and writes the
-  other; step N+1, launched before N retires, reads N's copy and writes the first one
-  (by then N has read it: the device runs steps in launch order). Retiring a row commits
-  its copy; rejecting it commits nothing, which restores the state exactly with no copy.
+- one bank of one slot (serial scheduling): the row updates its slot in place;
+- two banks of one slot (launch-ahead, "ping-pong"): step N reads the committed copy and
+  writes the other; step N+1, launched before N retires, reads N's copy and writes the
+  first one (by then N has read it: the device runs steps in launch order). Retiring a
+  row commits its copy; rejecting it commits nothing, which restores the state exactly
+  with no copy;
+- banks of K+1 slots (speculative decoding): a verify row of an input token and K drafts
+  writes the state after each of its K+1 positions; retiring it with `a` drafts accepted
+  commits the state after position `a`. A launch-ahead row reads the state after the last
+  position (it assumes every draft is accepted) and writes the other bank, so the bank
+  holding the accepted state survives when the launch-ahead row is rejected.
 
-Slots are handed out from one flat pool, not by formula from the row, so a request can own
-any number of copies (speculative decoding: one per draft position) and slots can later
+Slots are handed out from one flat pool, not by formula from the row, so slots can later
 hold read-only prefix-cache checkpoints.
 """
 from dataclasses import dataclass
@@ -27,8 +34,9 @@ class RequestState:
     """The Mamba state one admitted request owns (only the allocator reads `ring`)."""
 
     row: int  # the request's row in [0, max_num_seqs) of every per-request table
-    ring: tuple[int, ...]  # its state slots, in the order consecutive launched rows write them
-    committed: int = 0  # position in `ring` of the committed state
+    ring: tuple[int, ...]  # its state slots: bank b is ring[b * row_positions:(b + 1) * row_positions]
+    committed: int  # the slot holding the committed state
+    head: int  # the slot the newest live launched row leaves its last state in (else `committed`)
 
 
 class MambaStateAllocator:
@@ -37,28 +45,37 @@ class MambaStateAllocator:
     Storage is one tensor per state kind across all layers -- conv `[layers, slots,
     conv_dim, K-1]` in the model dtype, ssm `[layers, slots, heads, head_dim, state]` in
     float32 -- so zeroing the slots handed to new requests is one batched op per kind.
-    Each admitted request takes one row and `copies_per_request` slots.
+    Each admitted request takes one row and `banks * row_positions` slots
+    (`copies_per_request`).
     """
 
     def __init__(self, max_num_seqs: int, num_layers: int, conv_dim: int, conv_width: int, heads: int,
                  head_dim: int, state_size: int, conv_dtype: torch.dtype, device: torch.device,
-                 copies_per_request: int = 1):
+                 banks: int = 1, row_positions: int = 1):
         if max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
-        if copies_per_request <= 0:
-            raise ValueError(f"copies_per_request must be positive, got {copies_per_request}")
-        self.max_num_seqs, self.copies_per_request = max_num_seqs, copies_per_request
-        num_slots = max_num_seqs * copies_per_request
+        if banks not in (1, 2):
+            raise ValueError(f"banks must be 1 (serial) or 2 (launch-ahead), got {banks}")
+        if row_positions <= 0:
+            raise ValueError(f"row_positions must be positive, got {row_positions}")
+        self.max_num_seqs, self.banks, self.row_positions = max_num_seqs, banks, row_positions
+        num_slots = max_num_seqs * self.copies_per_request
         self.conv_states = torch.zeros(num_layers, num_slots, conv_dim, conv_width, dtype=conv_dtype, device=device)
         self.ssm_states = torch.zeros(num_layers, num_slots, heads, head_dim, state_size, dtype=torch.float32,
                                       device=device)
         # Stacks: the lowest index is handed out first (and a freed one reused first).
         self._free_rows: list[int] = list(range(max_num_seqs - 1, -1, -1))
         self._free_slots: list[int] = list(range(num_slots - 1, -1, -1))
-        # The slot each slot's writer row hands on to: a row reading slot s writes
-        # `_next_slot[s]`. One table lookup turns a step's (src, dst) into the next step's.
+        # The bank a row reading slot s writes, and its first slot as an array: one table
+        # lookup turns a one-position step's (src, dst) into the next step's.
+        self._bank_after: list[tuple[int, ...]] = [()] * num_slots
         self._next_slot = np.arange(num_slots, dtype=np.int64)
         self._to_zero: list[int] = []
+
+    @property
+    def copies_per_request(self) -> int:
+        """State slots each admitted request owns."""
+        return self.banks * self.row_positions
 
     @property
     def num_free(self) -> int:
@@ -75,10 +92,14 @@ class MambaStateAllocator:
         if not self._free_rows:
             raise RuntimeError("Mamba state pool exhausted (scheduler bug: admission must check num_free)")
         ring = tuple(self._free_slots.pop() for _ in range(self.copies_per_request))
+        width = self.row_positions
+        bank_list = [ring[b * width:(b + 1) * width] for b in range(self.banks)]
         for i, slot in enumerate(ring):
-            self._next_slot[slot] = ring[(i + 1) % len(ring)]
+            after = bank_list[(i // width + 1) % self.banks]
+            self._bank_after[slot] = after
+            self._next_slot[slot] = after[0]
         self._to_zero.extend(ring)
-        return RequestState(self._free_rows.pop(), ring)
+        return RequestState(self._free_rows.pop(), ring, committed=ring[0], head=ring[0])
 
     def free(self, state: RequestState) -> None:
         """Return a request's row and slots to the pool (slots not yet zeroed are dropped
@@ -89,25 +110,36 @@ class MambaStateAllocator:
             self._to_zero = [slot for slot in self._to_zero if slot not in state.ring]
 
     # ---- which slots a launched row reads and writes ---------------------------------
-    def row_slots(self, state: RequestState, rows_before: int) -> tuple[int, int]:
-        """(src, dst) of a row launched while `rows_before` earlier rows of the request are
-        still in flight: it reads the copy the newest of them writes (the committed copy if
-        none) and writes the next copy of the ring."""
-        ring = state.ring
-        read = (state.committed + rows_before) % len(ring)
-        return ring[read], ring[(read + 1) % len(ring)]
+    def launch(self, state: RequestState, num_positions: int = 1) -> tuple[int, tuple[int, ...]]:
+        """(src, dsts) of a newly launched row of `num_positions` tokens: it reads the
+        request's head and writes the state after each position into `dsts`; its last
+        position's state becomes the head (what a following launch-ahead row reads)."""
+        src = state.head
+        dsts = self._bank_after[src][:num_positions]
+        state.head = dsts[-1]
+        return src, dsts
+
+    def commit(self, state: RequestState, dsts: tuple[int, ...], num_accepted: int = 0) -> None:
+        """The request's oldest in-flight row retired valid with `num_accepted` drafts
+        accepted: the state after its position `num_accepted` is committed. If that row was
+        the newest, the head falls back to it (positions past the accepted one are dead)."""
+        last = state.head == dsts[-1]
+        state.committed = dsts[num_accepted]
+        if last:
+            state.head = state.committed
+
+    def reject(self, state: RequestState) -> None:
+        """The request's newest launched row is rejected (its older rows have all retired):
+        the committed state is the head again; nothing is copied."""
+        state.head = state.committed
 
     def committed_slot(self, state: RequestState) -> int:
         """The slot holding the request's committed state."""
-        return state.ring[state.committed]
+        return state.committed
 
     def following_slots(self, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(src, dst) of the next launched rows of requests whose current rows write `dst`."""
+        """(src, dst) of the next one-position rows of requests whose current rows write `dst`."""
         return dst, self._next_slot[dst]
-
-    def commit(self, state: RequestState) -> None:
-        """The request's oldest in-flight row retired valid: the copy it wrote is committed."""
-        state.committed = (state.committed + 1) % len(state.ring)
 
     # ---- zeroing new slots -----------------------------------------------------------
     def has_new_slots(self) -> bool:

@@ -5,9 +5,10 @@ CPU byte buffer; `sync()` copies it into ONE device buffer of the same layout, a
 forward pass reads only the device views. Fields are laid out widest dtype first, so every
 offset is aligned without padding.
 
-Row layout (the scheduler's order): sequences [0, num_decode) are decode rows (one token
-each, tokens [0, num_decode)); prefill chunks follow, packed, in tokens
-[num_decode, num_tokens). Rows past the step's count are stale and never read.
+Row layout (the scheduler's order): sequences [0, num_decode) are decode rows of W tokens
+each (W = 1 + the step's most drafts; tokens [0, num_decode * W): the input token, the
+drafts, then padding); prefill chunks follow, packed, in tokens [num_decode * W,
+num_tokens). Rows past the step's count are stale and never read.
 
 | field               | dtype   | shape      | meaning                                         |
 |---------------------|---------|------------|-------------------------------------------------|
@@ -15,6 +16,8 @@ each, tokens [0, num_decode)); prefill chunks follow, packed, in tokens
 | positions           | int64   | [T]        | absolute position of each token                 |
 | slot_mapping        | int64   | [T]        | KV cache slot (block * block_size + offset)     |
 | mamba_src/mamba_dst | int64   | [S]        | state slot a sequence reads / writes            |
+| verify_src/verify_dst | int64 | [S*W]      | verify rows: slot read / written per position   |
+|                     |         |            | (row i, position j at i*W + j; -1 = padding)    |
 | input_from_prev     | int64   | [S]        | decode row's input = previous step's sample at  |
 |                     |         |            | this row (launch-ahead), -1 = input_ids holds it |
 | logits_indices      | int64   | [S]        | token whose hidden state is sampled             |
@@ -22,6 +25,7 @@ each, tokens [0, num_decode)); prefill chunks follow, packed, in tokens
 |                     |         |            | (N: every slot of the state pool)               |
 | seeds, output_pos   | int64   | [S]        | sampling noise key (seed, output index)         |
 | history_rows        | int64   | [S]        | row of the token-history table (penalties)      |
+| num_drafts          | int64   | [S]        | verify row's draft tokens (0: plain row)        |
 | prompt_lens, history_lens | int64 | [S]    | prompt length / tokens known (penalties)        |
 | cu_seqlens_q        | int32   | [S+1]      | query starts of every sequence                  |
 | prefill_cu_seqlens  | int32   | [S+1]      | query starts of the prefill chunks, from 0      |
@@ -69,6 +73,7 @@ class SeqFields(NamedTuple):
     history_rows: int
     prompt_lens: int
     history_lens: int
+    num_drafts: int
 
 
 class SamplingRow(NamedTuple):
@@ -102,11 +107,12 @@ NEUTRAL_SAMPLING = SamplingRow(temperature=0.0, top_p=1.0, min_p=0.0, repetition
                                frequency_penalty=0.0, top_k=0.0, num_logprobs=-1.0)
 
 
-def _fields(max_tokens: int, max_seqs: int, max_blocks: int, max_new_slots: int) -> list[_Field]:
+def _fields(max_tokens: int, max_seqs: int, max_blocks: int, max_new_slots: int, max_width: int) -> list[_Field]:
     t, s = (max_tokens,), (max_seqs,)
     return (
         [_Field(n, torch.int64, t) for n in TOKEN_I64]
         + [_Field(n, torch.int64, s) for n in SEQ_I64]
+        + [_Field(n, torch.int64, (max_seqs * max_width,)) for n in ("verify_src", "verify_dst")]
         + [_Field("new_state_slots", torch.int64, (max_new_slots,))]
         + [_Field("cu_seqlens_q", torch.int32, (max_seqs + 1,)), _Field("prefill_cu_seqlens", torch.int32, (max_seqs + 1,)),
            _Field("seq_lens", torch.int32, s), _Field("block_tables", torch.int32, (max_seqs, max_blocks)),
@@ -160,9 +166,9 @@ class StepBuffer:
     """
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, max_new_slots: int,
-                 device: torch.device):
+                 device: torch.device, max_width: int = 1):
         self.max_tokens, self.max_seqs, self.max_blocks_per_seq = max_tokens, max_seqs, max_blocks_per_seq
-        fields = _fields(max_tokens, max_seqs, max_blocks_per_seq, max_new_slots)
+        fields = _fields(max_tokens, max_seqs, max_blocks_per_seq, max_new_slots, max_width)
         nbytes = _layout_bytes(fields)
         pin = device.type == "cuda"
         self._host_bytes = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]

@@ -1,7 +1,10 @@
 """Engine settings (the `LLM(...)` keyword arguments) and their device-dependent defaults."""
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from hybrid_engine.spec.config import SpeculativeConfig
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "auto": None}
 
@@ -24,6 +27,8 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"
     inject_rejection_rate: float = 0.0
+    # Speculative decoding (off when None): a dict as `SpeculativeConfig.from_dict` takes it.
+    speculative_config: dict[str, Any] | SpeculativeConfig | None = None
 
     def resolve(self) -> "EngineConfig":
         """Validate and fill device-dependent defaults (raises ValueError naming the field)."""
@@ -44,7 +49,9 @@ class EngineConfig:
                "max_num_seqs": max_num_seqs,
                "max_num_batched_tokens": _default(self.max_num_batched_tokens,
                                                   max(8192 if on_gpu else 2048, max_num_seqs)),
-               "kv_block_size": _default(self.kv_block_size, 64 if on_gpu else 16)}
+               "kv_block_size": _default(self.kv_block_size, 64 if on_gpu else 16),
+               "speculative_config": None if self.speculative_config is None
+               else SpeculativeConfig.from_dict(self.speculative_config)}
         )
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_block_size"):
             value = getattr(resolved, name)

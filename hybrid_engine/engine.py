@@ -40,6 +40,7 @@ from hybrid_engine.runner import ModelRunner, StepHandle, StepSamples
 from hybrid_engine.sampling import derive_seed
 from hybrid_engine.sampling_params import SamplingParams
 from hybrid_engine.scheduler import RetiredStep, Scheduler, SchedulerOutput
+from hybrid_engine.spec.drafter import Drafter
 from hybrid_engine.tokenizer import build_byte_tokenizer, load_tokenizer
 from layers.kernels import select_ops
 
@@ -80,8 +81,12 @@ class LLMEngine:
             {self.tokenizer.eos_token_id} if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
             else set()
         )
-        # Launch-ahead keeps the committed state while a row writes its successor (ping-pong).
-        self.state_copies = 2 if cfg.async_scheduling else 1
+        spec = cfg.speculative_config
+        self.drafter = None if spec is None else Drafter(spec, mc.vocab_size)
+        max_drafts = 0 if spec is None else spec.num_speculative_tokens
+        # Launch-ahead keeps the committed state while a row writes its successor (two
+        # banks, ping-pong); a verify row writes the state after each of its positions.
+        self.state_banks, self.state_positions = (2 if cfg.async_scheduling else 1), 1 + max_drafts
         max_num_seqs, num_blocks = self._size_pools()
         self.kv = KVBlockAllocator(num_blocks, cfg.kv_block_size, len(mc.attention_layers), mc.num_kv_heads,
                                    mc.head_dim, cfg.torch_dtype, self.device)
@@ -89,10 +94,10 @@ class LLMEngine:
                                     kv_tokens=self.kv.num_blocks * cfg.kv_block_size)
         self.mamba = MambaStateAllocator(max_num_seqs, len(mc.mamba_layers), mc.mamba_conv_dim, mc.conv_kernel - 1,
                                          mc.mamba_num_heads, mc.mamba_head_dim, mc.ssm_state_size, cfg.torch_dtype,
-                                         self.device, copies_per_request=self.state_copies)
-        self.scheduler = Scheduler(self.kv, self.mamba, cfg.max_num_batched_tokens, self.max_model_len)
+                                         self.device, banks=self.state_banks, row_positions=self.state_positions)
+        self.scheduler = Scheduler(self.kv, self.mamba, cfg.max_num_batched_tokens, self.max_model_len, self.drafter)
         self.runner = ModelRunner(self.model, self.kv, self.mamba, cfg.max_num_batched_tokens, self.max_model_len,
-                                  self.device)
+                                  self.device, max_drafts)
         if cfg.cuda_graphs:
             self._capture_graphs(max_num_seqs)
         self.requests: dict[str, Request] = {}  # accepted requests whose final output is not out yet
@@ -103,7 +108,8 @@ class LLMEngine:
         self._unretired: list[SchedulerOutput] = []  # scheduled steps whose rows have not retired
         self._rejector = random.Random(cfg.seed)  # inject_rejection_rate draws, deterministic
         self._counters = dict(steps=0, launch_ahead_steps=0, rejected_launches=0, state_restores=0,
-                              prefill_tokens=0, decode_tokens=0)
+                              prefill_tokens=0, decode_tokens=0, spec_steps=0, spec_proposed_tokens=0,
+                              spec_accepted_tokens=0)
         logger.info(
             "engine ready: model=%s device=%s dtype=%s kernels=%s capacity: %d concurrent requests, %d KV tokens "
             "(%d blocks x %d)", self.model_name, self.device, cfg.dtype, self.kernels.name, max_num_seqs,
@@ -142,7 +148,8 @@ class LLMEngine:
         budget = free - (1.0 - cfg.gpu_memory_utilization) * total
         seq_bytes = MambaStateAllocator.bytes_per_seq(len(mc.mamba_layers), mc.mamba_conv_dim, mc.conv_kernel - 1,
                                                       mc.mamba_num_heads, mc.mamba_head_dim, mc.ssm_state_size,
-                                                      cfg.torch_dtype, copies_per_request=self.state_copies)
+                                                      cfg.torch_dtype,
+                                                      copies_per_request=self.state_banks * self.state_positions)
         # Activations of the largest step plus sampling scratch: a generous estimate.
         width = max(mc.hidden_size * 4, mc.mamba_d_ssm * 2 + mc.mamba_conv_dim, mc.intermediate_size,
                     mc.moe_intermediate_size * max(mc.top_k, 1))
@@ -260,7 +267,7 @@ class LLMEngine:
         ahead = self._launch_ahead(current) if self.config.async_scheduling else None
         self._gc.collect_in_slack()  # the device has `current` (and `ahead`) queued
         retired = self._retire(current, current.wait())
-        self._inflight = self._reconcile(ahead, retired.finished) if ahead is not None else None
+        self._inflight = self._reconcile(ahead, retired) if ahead is not None else None
         return [self._emit(r) for r in retired.advanced]
 
     def _launch(self, sched: SchedulerOutput, prev: StepHandle | None) -> StepHandle:
@@ -268,8 +275,9 @@ class LLMEngine:
         self._unretired.append(sched)
         plan = self.runner.prepare(sched, prev)
         self._counters["steps"] += 1
-        self._counters["decode_tokens"] += len(sched.decodes)
-        self._counters["prefill_tokens"] += sched.num_tokens - len(sched.decodes)
+        prefill_tokens = sum(c.num_tokens for c in sched.prefills)
+        self._counters["decode_tokens"] += sched.num_tokens - prefill_tokens  # verify rows' drafts included
+        self._counters["prefill_tokens"] += prefill_tokens
         return self.runner.launch(plan)
 
     def _launch_ahead(self, current: StepHandle) -> StepHandle | None:
@@ -285,18 +293,25 @@ class LLMEngine:
 
     def _retire(self, handle: StepHandle, samples: StepSamples) -> RetiredStep:
         """Hand a step's samples (`handle.wait()`) to the scheduler's bookkeeping."""
-        retired = self.scheduler.retire(handle.chunks, handle.valid, samples.token_ids, samples.logprobs)
+        retired = self.scheduler.retire(handle.chunks, handle.valid, samples.token_ids, samples.logprobs,
+                                        samples.verified)
         self._unretired.remove(handle.sched)
         if retired.num_dropped:
             self._counters["rejected_launches"] += 1
+        if retired.num_proposed:
+            self._counters["spec_steps"] += 1
+            self._counters["spec_proposed_tokens"] += retired.num_proposed
+            self._counters["spec_accepted_tokens"] += retired.num_accepted
         return retired
 
-    def _reconcile(self, ahead: StepHandle, finished: list[Request]) -> StepHandle | None:
+    def _reconcile(self, ahead: StepHandle, retired: RetiredStep) -> StepHandle | None:
         """After step N's bookkeeping, keep what is still valid of the launched step N+1.
 
         Row by row:
         - request finished at N (length, EOS, stop token, stop string, error): the row is
           dropped; its blocks and state are released when the row retires.
+        - request whose verify row at N rejected a draft: the row was launched on top of
+          the rejected drafts; it is rejected like an injected rejection (below).
         - request aborted or paused or evicted: cannot have a row here -- aborts happen
           between steps (an aborted request is never scheduled), pauses are decided before
           a launch, and eviction never touches a request in flight.
@@ -316,10 +331,12 @@ class LLMEngine:
                     self.scheduler.reject(chunk)
                     self._counters["state_restores"] += 1
         else:
-            for request in finished:
+            for request in retired.finished + retired.mispredicted:
                 row = request.launch_row
-                if row < len(chunks) and chunks[row].request is request:
+                if row < len(chunks) and chunks[row].request is request and valid[row]:
                     valid[row], rejected = False, True
+                    if not request.finished:
+                        self.scheduler.reject(chunks[row])
         if rejected:
             self._counters["rejected_launches"] += 1
         if not any(valid):

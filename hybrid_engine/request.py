@@ -66,7 +66,7 @@ class RequestOutput:
                 f"text={self.text!r}, finished={self.finished}, finish_reason={self.finish_reason!r})")
 
 
-@dataclass(eq=False, slots=True)  # identity semantics: requests live in queues and dicts
+@dataclass(eq=False, slots=True, weakref_slot=True)  # identity semantics: requests live in queues and dicts
 class Request:
     """Engine-side request: tokens, progress, and the resources it holds.
 
@@ -93,6 +93,9 @@ class Request:
     pending_samples: int = 0
     inflight: int = 0
     launch_row: int = -1  # the request's row in the newest launched step
+    # Drafts of its newest launched row while that row is in flight (speculative decoding):
+    # the tokens the next launch-ahead row's drafts follow.
+    inflight_drafts: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     state: RequestState | None = None  # Mamba state row and slots while admitted
     finish_reason: str | None = None

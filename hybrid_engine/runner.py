@@ -22,7 +22,7 @@ from hybrid_engine.models.base import HybridForCausalLM
 from hybrid_engine.request import Request
 from hybrid_engine.sampling import GREEDY_BELOW_TEMPERATURE, SamplingTensors, sample
 from hybrid_engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from hybrid_engine.scheduler import SchedulerOutput
+from hybrid_engine.scheduler import ScheduledChunk, SchedulerOutput, VerifiedRow
 from layers.forward_meta import ForwardMeta
 
 
@@ -43,6 +43,7 @@ class StepPlan:
     all_greedy: bool
     use_penalties: bool
     num_from_prev: int  # decode rows whose input is the previous step's sample (on device)
+    decode_width: int = 1  # tokens per decode row: 1 + the most drafts of a verify row
     num_new_slots: int = 0  # Mamba state slots to zero before the forward
     host_index: int = -1  # the step buffer's host buffer this step was written into
     decode_requests: list[Request] | None = None  # a decode-only step's rows, in order
@@ -50,6 +51,11 @@ class StepPlan:
     @property
     def num_seqs(self) -> int:
         return self.num_decode + self.num_prefill
+
+    @property
+    def num_sampled(self) -> int:
+        """Rows of logits the step samples: every position of a decode row, one per prefill chunk."""
+        return self.num_decode * self.decode_width + self.num_prefill
 
 
 def sampling_row(params: SamplingParams) -> SamplingRow:
@@ -64,10 +70,12 @@ def sampling_row(params: SamplingParams) -> SamplingRow:
 
 @dataclass
 class StepSamples:
-    """What came back from the device for one step, one entry per scheduled sequence."""
+    """What came back from the device for one step, one entry per scheduled sequence (a
+    verify row's entry is its first position's sample; `verified` has all it kept)."""
 
     token_ids: list[int]
     logprobs: list[list[tuple[int, float]]] | None  # (token id, logprob): sampled first, then top-n
+    verified: list[VerifiedRow] | None = None  # per decode row, when the step verifies drafts
 
 
 class StepHandle:
@@ -87,25 +95,50 @@ class StepHandle:
         """Block until the samples are on the host (the step's only host synchronization)."""
         if self._event is not None:
             self._event.synchronize()
-        rows = self._host_out[: self.plan.num_seqs].tolist()
+        plan = self.plan
+        rows = self._host_out[: plan.num_sampled].tolist()
+        if plan.decode_width > 1:
+            return self._verified_samples(rows)
         tokens = [int(r[0]) for r in rows]
         logprobs = None
-        if self.plan.num_logprobs >= 0:
-            k = 1 + self.plan.num_logprobs
+        if plan.num_logprobs >= 0:
+            k = 1 + plan.num_logprobs
             logprobs = [list(zip(map(int, r[1 + k:1 + 2 * k]), r[1:1 + k])) for r in rows]
         return StepSamples(tokens, logprobs)
+
+    def _verified_samples(self, rows: list[list[float]]) -> StepSamples:
+        """A verify step's samples: rows of [token, drafts accepted, logprobs...], every
+        position of every decode row, then one per prefill chunk (`forward_sample`)."""
+        plan, width = self.plan, self.plan.decode_width
+        k = 1 + plan.num_logprobs
+
+        def logprobs_of(r: list[float]) -> list[tuple[int, float]]:
+            return list(zip(map(int, r[2 + k:2 + 2 * k]), r[2:2 + k]))
+
+        firsts = [rows[i * width] for i in range(plan.num_decode)] + rows[plan.num_decode * width:]
+        verified = []
+        for i in range(plan.num_decode):
+            kept = rows[i * width: i * width + 1 + int(rows[i * width][1])]
+            verified.append(VerifiedRow(len(kept) - 1, [int(r[0]) for r in kept],
+                                        [logprobs_of(r) for r in kept] if k > 0 else None))
+        logprobs = [logprobs_of(r) for r in firsts] if k > 0 else None
+        return StepSamples([int(r[0]) for r in firsts], logprobs, verified)
 
 
 class ModelRunner:
     """Owns the model, the cache pools' bindings and the step buffer."""
 
     def __init__(self, model: HybridForCausalLM, kv: KVBlockAllocator, mamba: MambaStateAllocator,
-                 max_num_batched_tokens: int, max_model_len: int, device: torch.device):
+                 max_num_batched_tokens: int, max_model_len: int, device: torch.device, max_drafts: int = 0):
         self.model, self.kv, self.mamba, self.device = model, kv, mamba, device
         self.max_seqs = mamba.max_num_seqs
-        self.max_blocks_per_seq = kv.blocks_for(max_model_len)
-        self.buffer = StepBuffer(max_num_batched_tokens, self.max_seqs, self.max_blocks_per_seq,
-                                 mamba.num_slots, device)
+        self.max_width = 1 + max_drafts  # tokens of the widest decode (verify) row
+        # A verify row's padding positions lie up to `max_drafts` past the context, so block
+        # tables and position tables have room for them (padding never writes KV).
+        self.max_blocks_per_seq = kv.blocks_for(max_model_len + max_drafts)
+        max_tokens = max_num_batched_tokens + self.max_seqs * max_drafts  # rows padded to the step's width
+        self.buffer = StepBuffer(max_tokens, self.max_seqs, self.max_blocks_per_seq, mamba.num_slots, device,
+                                 self.max_width)
         for layer, (k, v) in zip(model.attention_layers(), kv.kv_caches):
             layer.kv_cache = (k, v)
         for i, mixer in enumerate(model.mamba_mixers()):
@@ -120,10 +153,12 @@ class ModelRunner:
         # Graph padding rows sample greedily with no filters: the float32 group as a column.
         self._neutral_sampling = np.array(NEUTRAL_SAMPLING[SAMPLING_F32_ROWS], dtype=np.float32)[:, None]
         # 0, 1, 2, ...: row indices and positions, sliced instead of built per step.
-        self._rows = np.arange(max(self.max_seqs + 1, max_model_len), dtype=np.int64)
-        # Token history per request row, written on device from each step's inputs
-        # (idempotent: position p always holds the same token), read for penalties.
-        self._history = torch.zeros(self.max_seqs, max_model_len, dtype=torch.int64, device=device)
+        self._rows = np.arange(max(max_tokens + 1, max_model_len + max_drafts), dtype=np.int64)
+        self._positions = torch.arange(max_tokens, dtype=torch.int64, device=device)
+        # Token history per request row, written on device from each step's inputs (the
+        # token at position p, or a draft that a later step overwrites if rejected), read
+        # for penalties. Tokens that write no KV (padding) write the spare last column.
+        self._history = torch.zeros(self.max_seqs, max_model_len + 1, dtype=torch.int64, device=device)
         # A step's samples (and logprobs with their token ids) come back packed in one
         # float64 matrix -- exact for token ids and float32 logprobs -- so one copy does it.
         # Alternating pinned buffers: with launch-ahead two steps are outstanding, and step
@@ -131,8 +166,8 @@ class ModelRunner:
         pin = device.type == "cuda"
         # Flat buffers, viewed contiguously per step: a non_blocking copy into a strided
         # pinned slice is staged through a temporary and silently synchronizes.
-        self._host_out = [torch.zeros(self.max_seqs * (1 + 2 * (1 + MAX_LOGPROBS)), dtype=torch.float64,
-                                      pin_memory=pin) for _ in range(2)]
+        self._host_out = [torch.zeros(self.max_seqs * self.max_width * (2 + 2 * (1 + MAX_LOGPROBS)),
+                                      dtype=torch.float64, pin_memory=pin) for _ in range(2)]
         self._launches = 0
         # The newest launched step's samples, row by row, at a fixed address: a launch-ahead
         # step gathers its decode inputs here (CUDA graphs need fixed input addresses).
@@ -172,7 +207,7 @@ class ModelRunner:
         (`_write_steady_decode`); any other goes through `_write_step`.
         """
         plan = None
-        if prev is not None and not sched.prefills:
+        if prev is not None and not sched.prefills and not self._has_drafts(sched):
             plan = self._write_steady_decode(sched, prev)
             if plan is not None and self.check_steady_decode:
                 self._check_steady_decode(plan, prev)
@@ -184,13 +219,16 @@ class ModelRunner:
         self.buffer.sync()
         return plan
 
+    def _has_drafts(self, sched: SchedulerOutput) -> bool:
+        return self.max_width > 1 and any(c.drafts for c in sched.decodes)
+
     def _write_step(self, sched: SchedulerOutput, prev: StepHandle | None) -> StepPlan:
         """The general path: every row's fields from the requests' bookkeeping."""
         decodes, prefills = sched.decodes, sched.prefills
         n_dec, n_seq = len(decodes), len(decodes) + len(prefills)
+        width = 1 + max(len(c.drafts) for c in decodes) if self._has_drafts(sched) else 1
         h = self.buffer.host_np
         owners, bt_owner, bt_len = self._row_owner, self._block_table_owner, self._block_table_len
-        row_slots = self.mamba.row_slots
         bs = self.kv.block_size
         seq_rows: list[SeqFields] = []
         token_rows: list[TokenFields] = []
@@ -217,23 +255,26 @@ class ModelRunner:
             else:
                 from_prev = -1
                 token = output[start - n_prompt] if start >= n_prompt else r.prompt_token_ids[start]
-            # Scheduling launched this row and nothing retires before it is prepared, so it
-            # is the request's newest in-flight row.
-            src, dst = row_slots(state, r.inflight - 1)
-            seq_rows.append(SeqFields(mamba_src=src, mamba_dst=dst, input_from_prev=from_prev, logits_indices=i,
-                                      seeds=r.seed, output_pos=n_out + r.pending_samples - 1, history_rows=row,
-                                      prompt_lens=n_prompt, history_lens=start + 1))
+            # Scheduling launched this row (all its samples are pending) and chose its slots.
+            seq_rows.append(SeqFields(mamba_src=c.state_src, mamba_dst=c.state_dsts[0], input_from_prev=from_prev,
+                                      logits_indices=i * width, seeds=r.seed,
+                                      output_pos=n_out + r.pending_samples - c.num_tokens, history_rows=row,
+                                      prompt_lens=n_prompt, history_lens=start + 1, num_drafts=len(c.drafts)))
             token_rows.append(TokenFields(input_ids=token, positions=start,
                                           slot_mapping=blocks[start // bs] * bs + start % bs))
             rows.append(row)
         if num_from_prev and prev is None:
             raise RuntimeError("a decode input is still on the device but no previous step was given")
         if n_dec:
-            self._write_decode_rows(np.array(seq_rows, dtype=np.int64), np.array(token_rows, dtype=np.int64))
-        num_tokens, max_q = n_dec, 1
+            token_np = np.array(token_rows, dtype=np.int64)
+            self._write_decode_rows(np.array(seq_rows, dtype=np.int64), token_np)
+            if width > 1:
+                self._write_verify_rows(decodes, width, token_np)
+        num_tokens, max_q = n_dec * width, width
         if prefills:
-            num_tokens, max_q = self._write_prefill_rows(prefills, n_dec, rows)
-        h["cu_seqlens_q"][: n_dec + 1] = self._rows[: n_dec + 1]
+            num_tokens, longest = self._write_prefill_rows(prefills, n_dec, num_tokens, rows)
+            max_q = max(max_q, longest)
+        h["cu_seqlens_q"][: n_dec + 1] = self._rows[: n_dec + 1] * width
         rows_np = np.array(rows, dtype=np.int64)
         h["block_tables"][:n_seq] = self._block_table[rows_np]
         new_slots = self.mamba.take_new_slots()
@@ -242,6 +283,9 @@ class ModelRunner:
         plan = self._write_sampling(sched, rows_np, n_dec, num_tokens, max_q)
         plan.num_from_prev = num_from_prev
         plan.num_new_slots = len(new_slots)
+        plan.decode_width = width
+        if width > 1:
+            return plan
         if not prefills:
             plan.decode_requests = [c.request for c in decodes]
         if self.graphs is not None:
@@ -264,7 +308,7 @@ class ModelRunner:
         """The steady-state decode step, derived from the previous one without a per-row loop.
 
         Applies when this step's rows are exactly `prev`'s rows (same requests, same order,
-        decode only, under launch-ahead) and no row enters a new KV block. Each row then
+        decode only, under launch-ahead, none rejected) and no row enters a new KV block. Each row then
         reads the state `prev` writes and writes the one the state allocator hands on
         (`following_slots`), is one position further (KV slot + 1 in the same block), one
         output further, and takes its input from `prev`'s sample at the same row; everything
@@ -274,7 +318,8 @@ class ModelRunner:
         """
         pp, n = prev.plan, len(sched.decodes)
         if (pp.decode_requests is None or len(pp.decode_requests) != n
-                or pp.host_index != self.buffer.current_index ^ 1 or self.mamba.has_new_slots()):
+                or pp.host_index != self.buffer.current_index ^ 1 or self.mamba.has_new_slots()
+                or not all(prev.valid)):  # a rejected row's successor reads the committed state
             return None
         requests = [c.request for c in sched.decodes]
         if requests != pp.decode_requests:  # identity comparison (Request has eq=False)
@@ -313,16 +358,45 @@ class ModelRunner:
         h["prompt_token_mask"][:n] = False
         h["prefill_cu_seqlens"][0] = 0
 
-    def _write_prefill_rows(self, prefills: list, n_dec: int, rows: list[int]) -> tuple[int, int]:
-        """Fields of the prefill chunks (rows after the decode rows); appends their request
-        rows to `rows`. Per-token fields are written chunk by chunk with NumPy slices.
-        Returns (num_tokens, longest chunk)."""
+    def _write_verify_rows(self, decodes: list[ScheduledChunk], width: int, token_rows: np.ndarray) -> None:
+        """Token fields of decode rows `width` tokens wide: row i's input token, its drafts,
+        then padding (position repeated, no KV write, no state), at tokens [i*width,
+        (i+1)*width); and the state slot each position reads and writes (the row's src,
+        then each position's state into the next of its dsts)."""
+        n, bs = len(decodes), self.kv.block_size
+        ids = np.zeros((n, width), dtype=np.int64)
+        positions = np.empty((n, width), dtype=np.int64)
+        slots = np.full((n, width), -1, dtype=np.int64)
+        verify_src = np.full((n, width), -1, dtype=np.int64)
+        verify_dst = np.full((n, width), -1, dtype=np.int64)
+        offsets = self._rows[:width]
+        for i, c in enumerate(decodes):
+            real = c.num_tokens
+            ids[i, 0] = token_rows[i, TOKEN.input_ids]
+            ids[i, 1:real] = c.drafts
+            positions[i] = c.start + np.minimum(offsets, real - 1)
+            table, pos = self._block_table[c.request.state.row], positions[i, :real]
+            slots[i, :real] = table[pos // bs] * bs + pos % bs
+            chain = (c.state_src, *c.state_dsts)
+            verify_src[i, :real], verify_dst[i, :real] = chain[:real], chain[1:]
+        tokens, h, total = self.buffer.host_group("token_i64"), self.buffer.host_np, n * width
+        tokens[TOKEN.input_ids, :total] = ids.ravel()
+        tokens[TOKEN.positions, :total] = positions.ravel()
+        tokens[TOKEN.slot_mapping, :total] = slots.ravel()
+        h["verify_src"][:total], h["verify_dst"][:total] = verify_src.ravel(), verify_dst.ravel()
+        h["seq_lens"][:n] += width - 1  # keys through the last (padding) position
+        h["prompt_token_mask"][:total] = False
+
+    def _write_prefill_rows(self, prefills: list, n_dec: int, token_start: int, rows: list[int]) -> tuple[int, int]:
+        """Fields of the prefill chunks (rows after the decode rows, tokens from
+        `token_start`); appends their request rows to `rows`. Per-token fields are written
+        chunk by chunk with NumPy slices. Returns (num_tokens, longest chunk)."""
         h = self.buffer.host_np
         tokens, seqs = self.buffer.host_group("token_i64"), self.buffer.host_group("seq_i64")
         prompt_mask = h["prompt_token_mask"]
         bs = self.kv.block_size
         seq_rows: list[SeqFields] = []
-        cu = [n_dec]
+        cu = [token_start]
         for c in prefills:
             r = c.request
             row = r.state.row
@@ -342,17 +416,17 @@ class ModelRunner:
             prompt_mask[t0:t0 + in_prompt] = True
             prompt_mask[t0 + in_prompt:t1] = False
             cu.append(t1)
-            src, dst = self.mamba.row_slots(r.state, r.inflight - 1)
-            seq_rows.append(SeqFields(mamba_src=src, mamba_dst=dst, input_from_prev=-1, logits_indices=t1 - 1,
-                                      seeds=r.seed, output_pos=len(output) + r.pending_samples - c.samples,
-                                      history_rows=row, prompt_lens=n_prompt, history_lens=end))
+            seq_rows.append(SeqFields(mamba_src=c.state_src, mamba_dst=c.state_dsts[0], input_from_prev=-1,
+                                      logits_indices=t1 - 1, seeds=r.seed,
+                                      output_pos=len(output) + r.pending_samples - c.samples, history_rows=row,
+                                      prompt_lens=n_prompt, history_lens=end, num_drafts=0))
             rows.append(row)
         n_seq = n_dec + len(prefills)
         seqs[:, n_dec:n_seq] = np.array(seq_rows, dtype=np.int64).T
         h["seq_lens"][n_dec:n_seq] = seqs[SEQ.history_lens, n_dec:n_seq]
         cu_np = np.array(cu, dtype=np.int32)
         h["cu_seqlens_q"][n_dec:n_seq + 1] = cu_np
-        h["prefill_cu_seqlens"][: len(prefills) + 1] = cu_np - n_dec
+        h["prefill_cu_seqlens"][: len(prefills) + 1] = cu_np - token_start
         return cu[-1], max(c.num_tokens for c in prefills)
 
     def _write_padding(self, plan: StepPlan, size: int) -> None:
@@ -411,8 +485,14 @@ class ModelRunner:
     def forward_meta(self, plan: StepPlan) -> ForwardMeta:
         """Slices of the device views sized for this step."""
         d, t, s = self.buffer.device, plan.num_tokens, plan.num_seqs
+        verify_src = verify_dst = None
+        if plan.decode_width > 1:
+            shape = (plan.num_decode, plan.decode_width)
+            verify_src = d["verify_src"][: shape[0] * shape[1]].view(shape)
+            verify_dst = d["verify_dst"][: shape[0] * shape[1]].view(shape)
         return ForwardMeta(
             num_decode=plan.num_decode, num_prefill=plan.num_prefill, num_tokens=t, max_seqlen_q=plan.max_seqlen_q,
+            decode_width=plan.decode_width, verify_src=verify_src, verify_dst=verify_dst,
             positions=d["positions"][:t], prompt_token_mask=d["prompt_token_mask"][:t],
             slot_mapping=d["slot_mapping"][:t], cu_seqlens_q=d["cu_seqlens_q"][: s + 1],
             prefill_cu_seqlens=d["prefill_cu_seqlens"][: plan.num_prefill + 1], seq_lens=d["seq_lens"][:s],
@@ -421,18 +501,33 @@ class ModelRunner:
         )
 
     def _sampling_tensors(self, plan: StepPlan, meta: ForwardMeta, input_ids: torch.Tensor) -> SamplingTensors:
-        d, s = self.buffer.device, plan.num_seqs
+        """Per sampled row: a decode row's fields repeated for each of its positions (position
+        j draws output `output_pos + j` and sees `j` more history tokens), then the prefill
+        chunks' fields."""
+        d, s, nd, width = self.buffer.device, plan.num_seqs, plan.num_decode, plan.decode_width
+
+        def per_row(t: torch.Tensor) -> torch.Tensor:
+            return t if width == 1 else torch.cat((t[:nd].repeat_interleave(width), t[nd:]))
+
+        step = None if width == 1 else torch.cat((self._positions[:width].repeat(nd),
+                                                  torch.zeros(plan.num_prefill, dtype=torch.int64, device=self.device)))
         history = prompt_len = history_len = None
         if plan.use_penalties:
-            token_seq = torch.searchsorted(meta.cu_seqlens_q[1:], torch.arange(plan.num_tokens, device=self.device),
-                                           right=True)
+            token_seq = torch.searchsorted(meta.cu_seqlens_q[1:], self._positions[: plan.num_tokens], right=True)
             rows = d["history_rows"][:s]
-            self._history[rows[token_seq], meta.positions] = input_ids
-            history, prompt_len, history_len = self._history[rows], d["prompt_lens"][:s], d["history_lens"][:s]
+            # Padding tokens (no KV slot) write the spare column, never a real position.
+            column = torch.where(meta.slot_mapping >= 0, meta.positions, self._history.shape[1] - 1)
+            self._history[rows[token_seq], column] = input_ids
+            history, prompt_len, history_len = self._history[per_row(rows)], per_row(d["prompt_lens"][:s]), \
+                per_row(d["history_lens"][:s])
+            if step is not None:
+                history_len = history_len + step
+        output_pos = per_row(d["output_pos"][:s])
         return SamplingTensors(
-            temperature=d["temperature"][:s], top_k=d["top_k"][:s], top_p=d["top_p"][:s], min_p=d["min_p"][:s],
-            repetition_penalty=d["repetition_penalty"][:s], presence_penalty=d["presence_penalty"][:s],
-            frequency_penalty=d["frequency_penalty"][:s], seed=d["seeds"][:s], output_pos=d["output_pos"][:s],
+            temperature=per_row(d["temperature"][:s]), top_k=per_row(d["top_k"][:s]), top_p=per_row(d["top_p"][:s]),
+            min_p=per_row(d["min_p"][:s]), repetition_penalty=per_row(d["repetition_penalty"][:s]),
+            presence_penalty=per_row(d["presence_penalty"][:s]), frequency_penalty=per_row(d["frequency_penalty"][:s]),
+            seed=per_row(d["seeds"][:s]), output_pos=output_pos if step is None else output_pos + step,
             token_history=history, prompt_len=prompt_len, history_len=history_len,
         )
 
@@ -440,22 +535,47 @@ class ModelRunner:
         """The device work of a step: inputs -> forward -> logits -> samples, packed as
         float64 [S, 1 (+ 2 (1+K) logprob columns)]. Sync-free with the fast kernels, so a
         decode step of this shape can be captured as one CUDA graph."""
-        d = self.buffer.device
+        d, nd, width = self.buffer.device, plan.num_decode, plan.decode_width
         meta = self.forward_meta(plan)
         input_ids = d["input_ids"][: plan.num_tokens]
         if plan.num_from_prev:  # decode inputs still on the device: the previous step's samples
-            rows = d["input_from_prev"][: plan.num_decode]
+            rows = d["input_from_prev"][:nd]
             fed = self._sampled[rows.clamp(min=0)]
-            input_ids[: plan.num_decode] = torch.where(rows >= 0, fed, input_ids[: plan.num_decode])
+            first = input_ids[: nd * width: width]  # each decode row's input token
+            first.copy_(torch.where(rows >= 0, fed, first))
         hidden = self.model(input_ids, meta)
-        logits = self.model.compute_logits(hidden[meta.logits_indices])
+        logits_indices = meta.logits_indices
+        if width > 1:  # every position of a verify row is sampled
+            logits_indices = torch.cat((self._positions[: nd * width], logits_indices[nd:]))
+        logits = self.model.compute_logits(hidden[logits_indices])
         out = sample(logits, self._sampling_tensors(plan, meta, input_ids), num_logprobs=plan.num_logprobs,
                      all_greedy=plan.all_greedy, use_penalties=plan.use_penalties)
-        self._sampled[: plan.num_seqs].copy_(out.sampled_token_ids)
-        packed = out.sampled_token_ids.double()[:, None]
+        tokens = out.sampled_token_ids
+        if width == 1:
+            self._sampled[: plan.num_seqs].copy_(tokens)
+            packed = tokens.double()[:, None]
+        else:
+            accepted = self._verify(tokens[: nd * width].view(nd, width), input_ids[: nd * width].view(nd, width),
+                                    d["num_drafts"][:nd])
+            self._sampled[nd: plan.num_seqs].copy_(tokens[nd * width:])
+            per_token = torch.cat((accepted.repeat_interleave(width),
+                                   torch.zeros(plan.num_prefill, dtype=torch.int64, device=self.device)))
+            packed = torch.stack((tokens.double(), per_token.double()), dim=1)
         if out.logprobs is not None:
             packed = torch.cat([packed, out.logprobs.double(), out.logprob_token_ids.double()], dim=1)
         return packed
+
+    def _verify(self, samples: torch.Tensor, inputs: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
+        """Exact verification of verify rows ([rows, width] samples and input tokens): the
+        sample at position j (drawn with the noise of its own output position) accepts the
+        draft at j+1 when they are equal; the first mismatch ends the run. Returns the
+        drafts accepted per row, and leaves each row's last kept sample (the input of a
+        launch-ahead row, which assumes all drafts accepted) in `_sampled`."""
+        nd, width = samples.shape
+        matches = (samples[:, :-1] == inputs[:, 1:]) & (self._positions[: width - 1] < num_drafts[:, None])
+        accepted = matches.long().cumprod(dim=1).sum(dim=1)
+        self._sampled[:nd].copy_(samples.gather(1, accepted[:, None]).squeeze(1))
+        return accepted
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> StepHandle:

@@ -12,6 +12,9 @@ Every status change and every cursor of a `Request` is written here and nowhere 
 | RUNNING/PAUSED | `schedule`: nothing fits (evict)        | WAITING          | frees all; recomputes prompt+output  |
 | RUNNING/PAUSED | `retire` a valid row                    | same/FINISHED    | state committed, sample appended,    |
 |                |                                         |                  | stop / EOS / length checked          |
+| RUNNING/PAUSED | `retire` a verify row, `a` of D drafts  | same/FINISHED    | state after draft `a` committed; a+1 |
+|                | accepted                                |                  | samples appended one by one (stops   |
+|                |                                         |                  | checked each); cursors roll back D-a |
 | RUNNING        | `reject` a launch-ahead row             | RUNNING          | launch cursors roll back             |
 | any but FINISHED | `finish` (abort)                      | FINISHED         | text flushed                         |
 | any but FINISHED | `fail` (the step touching it raised)  | FINISHED         | reason "error" + message             |
@@ -30,6 +33,13 @@ Scheduling policy, in order (each step):
    readmitted. Repeat until the step has work. A lone request always fits:
    `LLMEngine.add_request` rejects any request whose prompt + max_tokens cannot fit.
 
+Speculative decoding (a `Drafter`): a decoder's row carries up to K draft tokens after
+its input token (a *verify row*); K shrinks so that the drafts never pass max_tokens,
+the context, the step's token budget or the free KV blocks (no one is paused for a draft).
+Launch cursors advance as if every draft is accepted; `retire` rolls them back by the
+rejected drafts and reports the request as mispredicted, so the engine rejects the row
+that launch-ahead launched on top of the rejected drafts.
+
 Launch-ahead: scheduling a chunk *is* launching it (the engine launches every scheduled
 step). The scheduler plans from each request's launched cursors (`num_scheduled`,
 `num_tokens_when_retired`), i.e. as if every in-flight row continues. A request whose
@@ -44,6 +54,7 @@ from dataclasses import dataclass, field
 from cache.kv_cache import KVBlockAllocator
 from cache.mamba_cache import MambaStateAllocator
 from hybrid_engine.request import Request, RequestStatus
+from hybrid_engine.spec.drafter import Drafter
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +64,34 @@ class ScheduledChunk:
     """`num_tokens` tokens of `request` starting at position `start`; `samples`: the chunk
     reaches the request's last token, so its last logits draw the next token. `prev_row`:
     the request's row in the newest step it was launched in before this one (-1: none);
-    used only when the chunk's input token is still in flight, i.e. sampled there."""
+    used only when the chunk's input token is still in flight, i.e. sampled there.
+    `drafts`: a verify row's draft tokens (positions start+1 ...; num_tokens = 1 + drafts).
+    `state_src` / `state_dsts`: the Mamba slot the row reads and the slots it writes, one
+    per position (from `MambaStateAllocator.launch`)."""
 
     request: Request
     start: int
     num_tokens: int
     samples: bool
     prev_row: int = -1
+    drafts: list[int] = field(default_factory=list)
+    state_src: int = -1
+    state_dsts: tuple[int, ...] = ()
+
+    @property
+    def num_samples(self) -> int:
+        """Samples the row adds if every draft is accepted (what launch cursors assume)."""
+        return 1 + len(self.drafts) if self.samples else 0
+
+
+@dataclass(slots=True)
+class VerifiedRow:
+    """What verification kept of a verify row: `num_accepted` drafts, and the samples to
+    append (the accepted drafts, then the target's own token), with their logprobs."""
+
+    num_accepted: int
+    token_ids: list[int]
+    logprobs: list[list[tuple[int, float]]] | None
 
 
 @dataclass(eq=False)  # identity semantics: the engine tracks unretired steps by object
@@ -76,7 +108,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
+        return sum(c.num_tokens for c in self.decodes) + sum(c.num_tokens for c in self.prefills)
 
     @property
     def is_empty(self) -> bool:
@@ -86,12 +118,17 @@ class SchedulerOutput:
 @dataclass
 class RetiredStep:
     """What retiring a step changed: requests with a new token or a finish (their outputs
-    are due), requests that finished, and rows dropped although launch-ahead kept them
-    (their request was aborted while the row was in flight)."""
+    are due), requests that finished, requests whose verify row rejected a draft (a
+    launch-ahead row built on the drafts must be rejected), rows dropped although
+    launch-ahead kept them (their request was aborted while the row was in flight), and the
+    drafts its verify rows proposed and accepted."""
 
     advanced: list[Request] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)
+    mispredicted: list[Request] = field(default_factory=list)
     num_dropped: int = 0
+    num_proposed: int = 0
+    num_accepted: int = 0
 
 
 class Scheduler:
@@ -99,8 +136,8 @@ class Scheduler:
     Mamba states."""
 
     def __init__(self, kv: KVBlockAllocator, mamba: MambaStateAllocator, max_num_batched_tokens: int,
-                 max_model_len: int):
-        self.kv, self.mamba = kv, mamba
+                 max_model_len: int, drafter: Drafter | None = None):
+        self.kv, self.mamba, self.drafter = kv, mamba, drafter
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -127,6 +164,7 @@ class Scheduler:
         num_decode = len(out.decodes)
         for j, chunk in enumerate(out.prefills):  # (decode rows launched in _try_schedule)
             request = chunk.request
+            chunk.state_src, chunk.state_dsts = self.mamba.launch(request.state)
             request.num_scheduled += chunk.num_tokens
             request.pending_samples += chunk.samples
             request.inflight += 1
@@ -157,12 +195,18 @@ class Scheduler:
                         self.num_pauses += 1
                     continue
                 request.status = running
-                decodes.append(ScheduledChunk(request, scheduled, 1, True, request.launch_row))
+                if self.drafter is None:
+                    src, dsts = self.mamba.launch(request.state)
+                    chunk = ScheduledChunk(request, scheduled, 1, True, request.launch_row, state_src=src,
+                                           state_dsts=dsts)
+                else:
+                    chunk = self._verify_row(request, scheduled, n_out, budget)
+                decodes.append(chunk)
                 request.launch_row = len(decodes) - 1
-                request.num_scheduled = scheduled + 1
-                request.pending_samples += 1
+                request.num_scheduled = scheduled + chunk.num_tokens
+                request.pending_samples += chunk.num_tokens
                 request.inflight += 1
-                budget -= 1
+                budget -= chunk.num_tokens
             else:
                 chunk = self._prefill_chunk(request, budget)
                 if chunk is not None:
@@ -180,6 +224,23 @@ class Scheduler:
             out.prefills.append(chunk)
             budget -= chunk.num_tokens
         return out
+
+    def _verify_row(self, request: Request, start: int, n_out: int, budget: int) -> ScheduledChunk:
+        """A decoder's row with the drafts that fit: every draft stays within max_tokens,
+        the context, the token budget and the KV blocks free now (blocks reserved)."""
+        n_tokens = start + 1
+        room = min(self.drafter.num_speculative_tokens, budget - 1, request.params.max_tokens - n_out - 1,
+                   self.max_model_len - n_tokens - 1,
+                   (len(request.blocks) + self.kv.num_free) * self.kv.block_size - n_tokens)
+        drafts: list[int] = []
+        if room > 0:
+            # The input token is in flight when launch-ahead has not retired its sample yet.
+            in_flight = start >= len(request.prompt_token_ids) + len(request.output_token_ids)
+            drafts = self.drafter.drafts(request, room, in_flight)
+            self._reserve(request, n_tokens + len(drafts))
+        request.inflight_drafts = drafts
+        src, dsts = self.mamba.launch(request.state, 1 + len(drafts))
+        return ScheduledChunk(request, start, 1 + len(drafts), True, request.launch_row, drafts, src, dsts)
 
     def _prefill_chunk(self, request: Request, budget: int) -> ScheduledChunk | None:
         """The next prefill chunk that fits the budget and the KV pool (blocks reserved)."""
@@ -207,25 +268,32 @@ class Scheduler:
         self.running.remove(request)
         self._release(request)
         request.num_computed = request.num_scheduled = 0
+        request.inflight_drafts = []
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
         self.num_evictions += 1
 
     # ---- retire / reject ---------------------------------------------------------------
     def reject(self, chunk: ScheduledChunk) -> None:
-        """A launched row is rejected: roll its launch cursors back. Its state write is never
-        committed and its KV writes lie past the committed length, so nothing else changes;
-        `retire` later sees the row as invalid."""
-        chunk.request.num_scheduled = chunk.start
-        chunk.request.pending_samples -= chunk.samples
+        """A request's newest launched row is rejected: roll its launch cursors back. Its
+        state writes are never committed and its KV writes lie past the committed length,
+        so nothing else changes; `retire` later sees the row as invalid."""
+        request = chunk.request
+        request.num_scheduled -= chunk.num_tokens
+        request.pending_samples -= chunk.num_samples
+        request.inflight_drafts = []
+        self.mamba.reject(request.state)
 
     def retire(self, chunks: list[ScheduledChunk], valid: list[bool], token_ids: list[int],
-               logprobs: list[list[tuple[int, float]]] | None) -> RetiredStep:
+               logprobs: list[list[tuple[int, float]]] | None,
+               verified: list[VerifiedRow] | None = None) -> RetiredStep:
         """A launched step's samples are on the host: commit its valid rows, append their
-        tokens, check stops, and release what finished requests hold.
+        tokens, check stops, and release what finished requests hold. `verified[i]`: what
+        verification kept of row i when it carries drafts.
 
         Runs for every row every step, so the common case (a valid decode row) is kept
-        flat: no helper calls but the stop check, unless the row is dropped or has logprobs.
+        flat: no helper calls but the stop check, unless the row is dropped, verifies
+        drafts or has logprobs.
         """
         result = RetiredStep()
         finished, mamba = RequestStatus.FINISHED, self.mamba
@@ -238,27 +306,55 @@ class Scheduler:
                 result.num_dropped += valid[i]
                 self._release_if_idle(request)
                 continue
+            if chunk.drafts:
+                self._retire_verify_row(chunk, verified[i], result)
+                continue
             request.num_computed = chunk.start + chunk.num_tokens
-            mamba.commit(request.state)
+            mamba.commit(request.state, chunk.state_dsts)
             if not chunk.samples:
                 continue
             request.pending_samples -= 1
-            token = token_ids[i]
-            request.output_token_ids.append(token)
-            request.pending_token_ids.append(token)
-            try:
-                if request.logprobs is not None:
-                    self._append_logprobs(request, logprobs[i])
-                reason = self._stop_reason(request, token)
-                if reason is not None:
-                    self.finish(request, reason)
-                    result.finished.append(request)
-            except Exception as e:  # one request's failure (e.g. its detokenizer) ends only it
-                logger.exception("request %s failed while appending its token", request.request_id)
-                self.finish(request, "error", f"{type(e).__name__}: {e}")
-                result.finished.append(request)
+            self._append_sample(request, token_ids[i], None if logprobs is None else logprobs[i], result)
             result.advanced.append(request)
         return result
+
+    def _retire_verify_row(self, chunk: ScheduledChunk, verified: VerifiedRow, result: RetiredStep) -> None:
+        """Commit the state after the last accepted draft, roll the launch cursors back by
+        the rejected drafts, and append the kept samples one by one until one stops."""
+        request, accepted, num_drafts = chunk.request, verified.num_accepted, len(chunk.drafts)
+        request.num_computed = chunk.start + 1 + accepted
+        self.mamba.commit(request.state, chunk.state_dsts, accepted)
+        request.pending_samples -= chunk.num_samples
+        if request.inflight == 0:
+            request.inflight_drafts = []
+        if accepted < num_drafts:
+            request.num_scheduled -= num_drafts - accepted
+            result.mispredicted.append(request)
+        result.num_proposed += num_drafts
+        result.num_accepted += accepted
+        self.drafter.record(request, num_drafts, accepted)
+        for j, token in enumerate(verified.token_ids):
+            self._append_sample(request, token, None if verified.logprobs is None else verified.logprobs[j], result)
+            if request.finished:
+                break
+        result.advanced.append(request)
+
+    def _append_sample(self, request: Request, token: int, logprobs: list[tuple[int, float]] | None,
+                       result: RetiredStep) -> None:
+        """Append one sampled token (and its logprobs), then finish the request if it stops."""
+        request.output_token_ids.append(token)
+        request.pending_token_ids.append(token)
+        try:
+            if request.logprobs is not None:
+                self._append_logprobs(request, logprobs)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self.finish(request, reason)
+                result.finished.append(request)
+        except Exception as e:  # one request's failure (e.g. its detokenizer) ends only it
+            logger.exception("request %s failed while appending its token", request.request_id)
+            self.finish(request, "error", f"{type(e).__name__}: {e}")
+            result.finished.append(request)
 
     @staticmethod
     def _append_logprobs(request: Request, row: list[tuple[int, float]]) -> None:

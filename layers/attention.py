@@ -48,6 +48,8 @@ class PagedAttention(nn.Module):
             q, k = self.rotary(meta.positions, q, k)
         k_cache, v_cache = self.kv_cache
         self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        # Verify rows have several queries: only one-token rows take the decode kernel.
+        num_decode = meta.num_decode if meta.decode_width == 1 else 0
         out = self.ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
-                                       self.scale, max_seqlen_q=meta.max_seqlen_q, num_decode=meta.num_decode)
+                                       self.scale, max_seqlen_q=meta.max_seqlen_q, num_decode=num_decode)
         return self.o_proj(out.reshape(n, -1))

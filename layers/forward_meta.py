@@ -1,8 +1,9 @@
 """What one forward step tells the layers about the packed batch.
 
 Row layout (fixed by the step buffer layout in `cache/step_buffer.py`): the first
-`num_decode` sequences are decode rows with exactly one token each (tokens
-[0, num_decode)); the `num_prefill` prefill chunks follow, packed. Python ints here are
+`num_decode` sequences are decode rows of `decode_width` tokens each (one, or a verify
+row's input token, drafts and padding: tokens [0, num_decode * decode_width)); the
+`num_prefill` prefill chunks follow, packed. Python ints here are
 the step's *shape* (they select kernels and sizes); every value the kernels read lives in
 the device tensors, mirrored from the CPU bookkeeping buffer by one copy per step.
 """
@@ -29,7 +30,18 @@ class ForwardMeta:
     mamba_src: torch.Tensor  # [S] int64 state slot each sequence reads (-1 = padding)
     mamba_dst: torch.Tensor  # [S] int64 state slot each sequence writes
     logits_indices: torch.Tensor  # [S] int64 token whose hidden state feeds sampling
+    # Speculative decoding: decode rows are `decode_width` tokens wide (input token, drafts,
+    # padding), and position j of row i reads state slot verify_src[i, j] and writes
+    # verify_dst[i, j] ([num_decode, decode_width] int64, -1 = padding); None when width 1.
+    decode_width: int = 1
+    verify_src: torch.Tensor | None = None
+    verify_dst: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
         return self.num_decode + self.num_prefill
+
+    @property
+    def num_decode_tokens(self) -> int:
+        """Tokens of the decode rows (they come first)."""
+        return self.num_decode * self.decode_width

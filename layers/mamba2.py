@@ -78,15 +78,14 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = zxbcdt.split([self.d_ssm, self.conv_dim, self.num_heads], dim=-1)
         a = self._a()
         weight = self.conv1d.weight.squeeze(1)
-        nd = meta.num_decode
+        nd = meta.num_decode_tokens
         ys = []
-        if nd:  # decode rows are generated tokens (no dt limit): the update applies softplus itself
-            src, dst = meta.mamba_src[:nd], meta.mamba_dst[:nd]
-            xbc_d = kernels.causal_conv1d_update(xbc[:nd], weight, self.conv1d.bias, self.conv_state, src, dst)
-            xs, b, c = self._split_xbc(xbc_d)
-            ys.append(kernels.ssm_state_update(self.ssm_state, xs, dt[:nd], a, b, c, self.D, src, dst, self.dt_bias))
+        if meta.decode_width > 1:
+            ys.append(self._verify(xbc[:nd], dt[:nd], a, weight, meta))
+        elif nd:
+            ys.append(self._decode(xbc[:nd], dt[:nd], a, weight, meta.mamba_src[:nd], meta.mamba_dst[:nd]))
         if meta.num_prefill:
-            src, dst = meta.mamba_src[nd:meta.num_seqs], meta.mamba_dst[nd:meta.num_seqs]
+            src, dst = meta.mamba_src[meta.num_decode:meta.num_seqs], meta.mamba_dst[meta.num_decode:meta.num_seqs]
             cu = meta.prefill_cu_seqlens
             xbc_p = kernels.causal_conv1d_varlen(xbc[nd:], weight, self.conv1d.bias, self.conv_state, cu, src, dst)
             xs, b, c = self._split_xbc(xbc_p)
@@ -96,6 +95,25 @@ class Mamba2Mixer(nn.Module):
         y = kernels.gated_rms_norm(y.reshape(x.shape[0], self.d_ssm), z, self.norm.weight, self.norm_eps,
                                    self.d_ssm // self.n_groups)
         return self.out_proj(y.to(x.dtype))
+
+    def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, weight: torch.Tensor,
+                src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        """One token per row, state from `src` to `dst`. Decode tokens are generated tokens
+        (no dt limit): the update applies softplus(dt + dt_bias) itself."""
+        xbc = self.ops.causal_conv1d_update(xbc, weight, self.conv1d.bias, self.conv_state, src, dst)
+        xs, b, c = self._split_xbc(xbc)
+        return self.ops.ssm_state_update(self.ssm_state, xs, dt, a, b, c, self.D, src, dst, self.dt_bias)
+
+    def _verify(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, weight: torch.Tensor,
+                meta: ForwardMeta) -> torch.Tensor:
+        """Verify rows: position by position, the same single-token update as a decode row,
+        each position's state written to its own slot (`meta.verify_dst[:, j]`), so the
+        state after any accepted draft can be committed without recomputation."""
+        rows, width = meta.verify_src.shape
+        xbc, dt = xbc.view(rows, width, -1), dt.view(rows, width, -1)
+        ys = [self._decode(xbc[:, j], dt[:, j], a, weight, meta.verify_src[:, j], meta.verify_dst[:, j])
+              for j in range(width)]
+        return torch.stack(ys, dim=1).flatten(0, 1)
 
     def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = xbc.shape[0]

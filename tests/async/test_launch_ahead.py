@@ -141,13 +141,12 @@ def test_rejected_launch_restores_mamba_state_bit_exactly():
         if prev is not None:  # a launch-ahead: record what each (already scheduled) row will read
             snapshots.clear()
             for chunk in sched.chunks:
-                r = chunk.request
-                src, _ = mamba.row_slots(r.state, r.inflight - 1)
+                r, src = chunk.request, chunk.state_src
                 snapshots[id(r)] = (r, mamba.conv_states[:, src].clone(), mamba.ssm_states[:, src].clone())
         return launch(sched, prev)
 
-    def spying_reconcile(ahead, finished):
-        result = reconcile(ahead, finished)
+    def spying_reconcile(ahead, retired):
+        result = reconcile(ahead, retired)
         assert result is None  # rate 1.0 rejects every launch-ahead
         for r, conv, ssm in snapshots.values():
             if not r.finished:

@@ -1,5 +1,8 @@
 """MambaStateAllocator: exact counts, exhaustion, which slots launched rows read and write
-(in place, ping-pong, longer rings), commit, deferred batched zeroing, storage layout."""
+(in place, ping-pong, verify rows of several positions), commit, reject, deferred batched
+zeroing, storage layout."""
+import random
+
 import numpy as np
 import pytest
 import torch
@@ -10,9 +13,9 @@ from cache.mamba_cache import MambaStateAllocator
 LAYERS, CONV_DIM, CONV_W, HEADS, HEAD_DIM, STATE = 3, 6, 3, 2, 4, 5
 
 
-def make(max_num_seqs=4, copies=1, dtype=torch.float32):
+def make(max_num_seqs=4, banks=1, positions=1, dtype=torch.float32):
     return MambaStateAllocator(max_num_seqs, LAYERS, CONV_DIM, CONV_W, HEADS, HEAD_DIM, STATE, dtype,
-                               torch.device("cpu"), copies_per_request=copies)
+                               torch.device("cpu"), banks=banks, row_positions=positions)
 
 
 class OpCounter(TorchDispatchMode):
@@ -25,10 +28,11 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("copies", [1, 2, 3])
-def test_allocate_free_exact_counts_and_exhaustion(copies):
-    m = make(4, copies)
-    assert m.num_free == m.max_num_seqs == 4
+@pytest.mark.parametrize("banks,positions", [(1, 1), (2, 1), (2, 3)])
+def test_allocate_free_exact_counts_and_exhaustion(banks, positions):
+    m = make(4, banks, positions)
+    copies = banks * positions
+    assert m.num_free == m.max_num_seqs == 4 and m.copies_per_request == copies
     states = [m.allocate() for _ in range(4)]
     assert sorted(s.row for s in states) == [0, 1, 2, 3] and m.num_free == 0
     slots = [slot for s in states for slot in s.ring]
@@ -40,79 +44,105 @@ def test_allocate_free_exact_counts_and_exhaustion(copies):
     m.free(states[1])
     again = m.allocate()
     assert m.num_free == 0 and again.row == states[1].row and sorted(again.ring) == sorted(states[1].ring)
-    assert again.committed == 0  # a new owner starts from its first copy
+    assert again.committed == again.head == again.ring[0]  # a new owner starts from its first copy
     for s in states:
         m.free(s)
     assert m.num_free == 4
 
 
-def test_rejects_empty_pool():
+def test_rejects_bad_sizes():
     with pytest.raises(ValueError, match="max_num_seqs"):
         make(0)
-    with pytest.raises(ValueError, match="copies_per_request"):
-        make(2, copies=0)
-
-
-def _launch_and_retire(m, state, pattern):
-    """Walk a request through launches and retirements; returns (src, dst) per launch.
-
-    pattern: a string of 'L' (launch a row) and 'C' (retire the oldest row, committing)
-    and 'R' (retire the oldest row rejected)."""
-    inflight, seen = 0, []
-    for event in pattern:
-        if event == "L":
-            seen.append(m.row_slots(state, inflight))
-            inflight += 1
-        else:
-            if event == "C":
-                m.commit(state)
-            inflight -= 1
-    return seen
+    with pytest.raises(ValueError, match="banks"):
+        make(2, banks=3)
+    with pytest.raises(ValueError, match="row_positions"):
+        make(2, positions=0)
 
 
 def test_single_copy_updates_in_place():
-    m = make(2, copies=1)
+    m = make(2)
     state = m.allocate()
     (slot,) = state.ring
-    assert _launch_and_retire(m, state, "LCLCLC") == [(slot, slot)] * 3
-    assert m.committed_slot(state) == slot
+    for _ in range(3):
+        src, dsts = m.launch(state)
+        assert (src, dsts) == (slot, (slot,))
+        m.commit(state, dsts)
+    assert m.committed_slot(state) == slot == state.head
 
 
 def test_ping_pong_never_writes_what_a_rejection_needs():
-    m = make(2, copies=2)
+    m = make(2, banks=2)
     state = m.allocate()
     a, b = state.ring
     # Serial within launch-ahead: read committed, write the other; commit flips.
-    assert _launch_and_retire(m, state, "LC") == [(a, b)]
+    src, dsts = m.launch(state)
+    assert (src, dsts) == (a, (b,))
+    m.commit(state, dsts)
     assert m.committed_slot(state) == b
     # Two rows in flight: the second reads what the first writes.
-    assert _launch_and_retire(m, state, "LLCC") == [(b, a), (a, b)]
-    assert m.committed_slot(state) == b
-    # The second row rejected: the first row's copy stays committed, untouched by the rejection.
-    assert _launch_and_retire(m, state, "LLCR") == [(b, a), (a, b)]
-    assert m.committed_slot(state) == a
+    first, second = m.launch(state), m.launch(state)
+    assert (first, second) == ((b, (a,)), (a, (b,)))
+    m.commit(state, first[1])
+    assert m.committed_slot(state) == a and state.head == b
+    # The second row rejected: the first row's copy stays committed and is the head again.
+    m.reject(state)
+    assert m.committed_slot(state) == a == state.head
     # A lone row rejected: the committed copy was only read.
-    assert _launch_and_retire(m, state, "LR") == [(a, b)]
-    assert m.committed_slot(state) == a
+    assert m.launch(state) == (a, (b,))
+    m.reject(state)
+    assert m.committed_slot(state) == a == state.head
 
 
-def test_longer_ring_and_following_slots_agree():
-    """Any ring: a row reads its predecessor's copy and writes the next one, and the
-    vectorised `following_slots` gives the same as asking `row_slots` one row later."""
-    m = make(3, copies=3)
-    states = [m.allocate() for _ in range(3)]
-    m.commit(states[1])
-    for inflight in range(3):
-        now = [m.row_slots(s, inflight) for s in states]
-        later = [m.row_slots(s, inflight + 1) for s in states]
-        src, dst = m.following_slots(np.array([d for _, d in now], dtype=np.int64))
-        assert list(zip(src.tolist(), dst.tolist())) == later
-        assert all(s != d for s, d in now)
+def test_verify_rows_keep_every_position_a_commit_can_need():
+    """Random launch / retire / reject walks as the engine makes them (at most two rows in
+    flight; a partial acceptance rejects the row launched on top of it): every slot a row
+    reads holds the state it expects, and every committed slot holds the state after the
+    accepted position -- no launched row ever overwrote one that was still needed."""
+    rng = random.Random(0)
+    width = 4
+    m = make(3, banks=2, positions=width)
+    state = m.allocate()
+    content = {slot: ("zero",) for slot in state.ring}  # what each slot holds (a label)
+    head_label = committed_label = ("zero",)
+    inflight = []  # (dsts, labels written) of live rows, oldest first
+    for step in range(400):
+        if len(inflight) < 2 and (not inflight or rng.random() < 0.7):
+            n = rng.randint(1, width)
+            src, dsts = m.launch(state, n)
+            assert content[src] == head_label, step
+            assert len(set(dsts)) == n and src not in dsts
+            labels = [(step, j) for j in range(n)]
+            for slot, label in zip(dsts, labels):
+                content[slot] = label
+            head_label = labels[-1]
+            inflight.append((dsts, labels))
+            continue
+        dsts, labels = inflight.pop(0)
+        accepted = rng.randint(0, len(dsts) - 1)
+        m.commit(state, dsts, accepted)
+        committed_label = labels[accepted]
+        assert content[m.committed_slot(state)] == committed_label, step
+        if accepted < len(dsts) - 1:  # partial: the row launched on top of it is rejected
+            if inflight:
+                inflight.pop()
+                m.reject(state)
+            head_label = committed_label
+        assert content[state.head] == head_label, step
+
+
+def test_following_slots_agree_with_launch():
+    """The vectorised `following_slots` gives the slots `launch` gives the next one-position row."""
+    for banks, positions in ((1, 1), (2, 1), (2, 3)):
+        m = make(3, banks, positions)
+        states = [m.allocate() for _ in range(3)]
+        first = [m.launch(s) for s in states]
+        src, dst = m.following_slots(np.array([d[0] for _, d in first], dtype=np.int64))
+        assert list(zip(src.tolist(), dst.tolist())) == [(s, d[0]) for s, d in (m.launch(s) for s in states)]
 
 
 @pytest.mark.parametrize("copies", [1, 2])
 def test_storage(copies):
-    m = make(3, copies=copies, dtype=torch.bfloat16)
+    m = make(3, banks=copies, dtype=torch.bfloat16)
     assert m.conv_states.shape == (LAYERS, 3 * copies, CONV_DIM, CONV_W) and m.conv_states.dtype == torch.bfloat16
     assert m.ssm_states.shape == (LAYERS, 3 * copies, HEADS, HEAD_DIM, STATE)
     assert m.ssm_states.dtype == torch.float32
@@ -125,7 +155,7 @@ def test_storage(copies):
 
 @pytest.mark.parametrize("copies", [1, 2])
 def test_new_slots_zeroed_by_zero_slots(copies):
-    m = make(4, copies=copies)
+    m = make(4, banks=copies)
     m.conv_states.fill_(1.0)
     m.ssm_states.fill_(2.0)
     a, b = m.allocate(), m.allocate()
@@ -156,7 +186,7 @@ def test_zeroing_is_one_batched_op_per_state_kind(copies):
     """The number of tensor ops does not grow with the number of new slots."""
     counts = []
     for n in (1, 5):
-        m = make(8, copies=copies)
+        m = make(8, banks=copies)
         for _ in range(n):
             m.allocate()
         index = torch.tensor(m.take_new_slots(), dtype=torch.long)
@@ -172,7 +202,7 @@ def test_zeroing_is_one_batched_op_per_state_kind(copies):
 def test_freed_before_zeroing_is_not_zeroed_twice():
     """A state freed before its first step (that step failed) leaves the zeroing list; the
     next owner queues its slots again, so the list never outgrows the pool."""
-    m = make(2, copies=2)
+    m = make(2, banks=2)
     first = [m.allocate(), m.allocate()]
     for state in first:
         m.free(state)

@@ -17,7 +17,7 @@ BLOCK = 4
 def make_scheduler(num_blocks=16, max_num_seqs=2, copies=2, budget=64) -> Scheduler:
     cpu = torch.device("cpu")
     kv = KVBlockAllocator(num_blocks, BLOCK, 1, 1, 2, torch.float32, cpu)
-    mamba = MambaStateAllocator(max_num_seqs, 1, 2, 2, 1, 1, 1, torch.float32, cpu, copies_per_request=copies)
+    mamba = MambaStateAllocator(max_num_seqs, 1, 2, 2, 1, 1, 1, torch.float32, cpu, banks=copies)
     return Scheduler(kv, mamba, budget, max_model_len=64)
 
 

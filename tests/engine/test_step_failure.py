@@ -143,13 +143,13 @@ def test_fault_draining_a_rejected_launch_keeps_finished_outputs(make_llm):
     engine.add_request("b", byte_prompt(5, 2), greedy(20))
     reconcile = engine._reconcile
 
-    def reconcile_with_failing_drain(ahead, finished):
-        if finished:
+    def reconcile_with_failing_drain(ahead, retired):
+        if retired.finished:
             def broken_wait():
                 raise RuntimeError("device fault")
             ahead.wait = broken_wait
             engine._reconcile = reconcile
-        return reconcile(ahead, finished)
+        return reconcile(ahead, retired)
 
     engine._reconcile = reconcile_with_failing_drain
     run = drive(engine, [])

@@ -77,3 +77,40 @@ def test_packed_sequences_are_independent_and_unnamed_slots_untouched() -> None:
     kept = [slot for slot in range(SLOTS) if slot not in dst]
     assert torch.equal(packed.conv_state[kept], before[0][kept])
     assert torch.equal(packed.ssm_state[kept], before[1][kept])
+
+
+@torch.no_grad()
+def test_verify_rows_write_each_position_state_like_single_token_updates() -> None:
+    """Verify rows (speculative decoding): row 0 an input token and 2 drafts, row 1 an input
+    token and no draft (2 padding positions). The state written for each position equals
+    (torch.equal) what single-token updates from the same inputs write; padding positions
+    write nothing, and every slot not written is untouched."""
+    width = 3
+    verified, stepped = make_mixer(), make_mixer()
+    x = torch.randn(2 * width, HIDDEN)
+    src = torch.tensor([[0, 2, 3], [1, -1, -1]])
+    dst = torch.tensor([[2, 3, 4], [5, -1, -1]])
+    meta = step_meta(2, [], src=[0, 1], dst=[2, 5])
+    meta.decode_width, meta.verify_src, meta.verify_dst = width, src, dst
+    before = (verified.conv_state.clone(), verified.ssm_state.clone())
+    y = verified(x, meta).view(2, width, HIDDEN)
+
+    # The same inputs, one token per call through the single-token update ops.
+    zxbcdt = stepped.in_proj(x).view(2, width, -1)
+    _, xbc, dt = zxbcdt.split([stepped.d_ssm, stepped.conv_dim, HEADS], dim=-1)
+    weight = stepped.conv1d.weight.squeeze(1)
+    for row, positions in ((0, 3), (1, 1)):
+        for j in range(positions):
+            s, d = src[row, j:j + 1], dst[row, j:j + 1]
+            out = REFERENCE_OPS.causal_conv1d_update(xbc[row, j:j + 1], weight, stepped.conv1d.bias,
+                                                     stepped.conv_state, s, d)
+            xs, b, c = stepped._split_xbc(out)
+            REFERENCE_OPS.ssm_state_update(stepped.ssm_state, xs, dt[row, j:j + 1], stepped._a(), b, c, stepped.D,
+                                           s, d, stepped.dt_bias)
+    for slot in (2, 3, 4, 5):
+        assert torch.equal(verified.conv_state[slot], stepped.conv_state[slot]), slot
+        assert torch.equal(verified.ssm_state[slot], stepped.ssm_state[slot]), slot
+    for slot in (0, 1):  # read only
+        assert torch.equal(verified.conv_state[slot], before[0][slot])
+        assert torch.equal(verified.ssm_state[slot], before[1][slot])
+    assert not y[1, 1:].any()  # padding positions: no state, zero output before out_proj's bias

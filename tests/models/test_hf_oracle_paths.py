@@ -2,7 +2,9 @@
 (prefill in chunks of 1-7 tokens), tiny KV pools (pauses and evictions), async with
 injected rejections, serial, KV block sizes 4 and 16, batched and staggered arrivals. For
 NemotronH with MoE and GraniteMoeHybrid with RoPE and NoPE, every request's greedy tokens
-equal HF's exactly and its logprobs match HF's log_softmax within 1e-4.
+equal HF's exactly and its logprobs match HF's log_softmax within 1e-4. Speculative
+decoding runs the same paths with drafts from HF's own answer (accepted), corrupted
+(partly rejected: state rollback) and n-gram.
 
 Public API only (`LLM`, `SamplingParams`, `engine.add_request/step/stats`), so the engine's
 internals can change under these tests. Each path asserts from `stats()` that it really
@@ -16,6 +18,7 @@ import torch
 from hybrid_engine import LLM, SamplingParams
 from tests.engine.engine_helpers import drive
 from tests.models.conftest import hf_greedy, make_hf_checkpoint
+from tests.spec.proposers import OracleProposer, PartialProposer
 
 MODELS = ("nemotron_moe_sharp", "granite_moe_rope_sharp", "granite_moe_nope_sharp")
 PROMPT_LENS = (4, 40, 11, 23, 7)
@@ -63,6 +66,7 @@ class Path:
     engine: dict
     arrivals: tuple[int, ...]
     shows: tuple[Callable[[dict], bool], ...]
+    speculative: str | None = None  # drafts from "oracle" (HF's answer), "partial" (corrupted) or "ngram"
 
 
 def _launched_ahead(s: dict) -> bool:
@@ -85,6 +89,14 @@ def _rejected_and_restored(s: dict) -> bool:
     return s["rejected_launches"] > 0 and s["state_restores"] > 0
 
 
+def _speculated(s: dict) -> bool:
+    return s["spec_accepted_tokens"] > 0
+
+
+def _drafts_rejected(s: dict) -> bool:
+    return 0 < s["spec_accepted_tokens"] < s["spec_proposed_tokens"]
+
+
 # Each max_num_batched_tokens below is under the longest prompt (40), which is so prefilled in chunks.
 PATHS = {
     "batched-async-b16": Path(dict(kv_block_size=16), TOGETHER, (_launched_ahead,)),
@@ -105,13 +117,31 @@ PATHS = {
     "rejections-budget5-kv-pressure-b4": Path(dict(kv_block_size=4, inject_rejection_rate=0.5, max_num_batched_tokens=5,
                                                    max_num_seqs=3, num_kv_blocks=14), STAGGERED,
                                               (_rejected_and_restored, _paused, _evicted)),
+    "spec-oracle-async-b4": Path(dict(kv_block_size=4), STAGGERED, (_speculated, _launched_ahead), "oracle"),
+    "spec-partial-serial-b16": Path(dict(kv_block_size=16, async_scheduling=False), TOGETHER,
+                                    (_drafts_rejected, _serial), "partial"),
+    "spec-partial-rejections-budget7-kv-pressure-b4": Path(
+        dict(kv_block_size=4, inject_rejection_rate=0.3, max_num_batched_tokens=7, max_num_seqs=4, num_kv_blocks=14),
+        STAGGERED, (_drafts_rejected, _rejected_and_restored, _paused), "partial"),
+    "spec-ngram-async-b16": Path(dict(kv_block_size=16), TOGETHER, (_launched_ahead,), "ngram"),
 }
+
+
+def _speculative_config(oracle: Oracle, kind: str | None) -> dict | None:
+    if kind is None:
+        return None
+    if kind == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    truth = {f"r{i}": p + t for i, (p, t) in enumerate(zip(oracle.prompts, oracle.tokens))}
+    proposer = OracleProposer(truth) if kind == "oracle" else PartialProposer(truth, rate=0.3)
+    return {"method": "proposer", "proposer": proposer, "num_speculative_tokens": 4}
 
 
 def _run(oracle: Oracle, path: Path) -> tuple[dict, dict, list]:
     """Drive the engine step by step (request i added before step() call arrivals[i]).
     Returns (final output per request id, final stats, step() calls over the token budget)."""
-    engine = LLM(model=oracle.checkpoint, device="cpu", dtype="float32", seed=0, **path.engine).engine
+    engine = LLM(model=oracle.checkpoint, device="cpu", dtype="float32", seed=0, **path.engine,
+                 speculative_config=_speculative_config(oracle, path.speculative)).engine
     budget = path.engine.get("max_num_batched_tokens")
     overfull, last = [], engine.stats()
 

@@ -1,0 +1,89 @@
+"""`Drafter`: asks the configured proposer for a verify row's drafts.
+
+It builds the context the proposer sees (prompt, output, and under launch-ahead the drafts
+still in flight), bounds and checks what comes back, isolates proposer failures to the
+request that hit them, and backs off a request whose drafts keep being rejected: a verify
+row whose drafts are all rejected costs a wider step for nothing, and under launch-ahead
+also the row launched on top of it. Drafts never change a request's tokens (verification
+is exact), only how many steps it takes.
+"""
+import logging
+import weakref
+from dataclasses import dataclass
+
+from hybrid_engine.request import Request
+from hybrid_engine.spec.config import SpeculativeConfig
+from hybrid_engine.spec.ngram import NgramProposer
+
+logger = logging.getLogger(__name__)
+
+# After n verify rows in a row with every draft rejected, a request drafts again only
+# after min(2**n, MAX_BACKOFF_ROWS) plain decode rows.
+MAX_BACKOFF_ROWS = 64
+
+
+@dataclass
+class _DraftHistory:
+    misses: int = 0  # consecutive verify rows with no draft accepted
+    skip: int = 0  # decode rows left before drafting again
+    warned: bool = False  # a proposer failure was logged for this request
+
+
+class Drafter:
+    """The scheduler's source of drafts (one per engine)."""
+
+    def __init__(self, config: SpeculativeConfig, vocab_size: int):
+        self.config = config
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.vocab_size = vocab_size
+        if config.method == "ngram":
+            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        else:
+            self.proposer = config.proposer
+        self._history: weakref.WeakKeyDictionary[Request, _DraftHistory] = weakref.WeakKeyDictionary()
+
+    def drafts(self, request: Request, max_drafts: int, input_in_flight: bool) -> list[int]:
+        """At most `max_drafts` drafts for the positions after the request's next input
+        token. `input_in_flight`: that token is still being sampled on the device, so the
+        proposer is asked for one more token (its guess of it) and the guess is dropped."""
+        history = self._history.get(request)
+        if history is None:
+            history = self._history[request] = _DraftHistory()
+        if history.skip:
+            history.skip -= 1
+            return []
+        context = request.prompt_token_ids + request.output_token_ids
+        if input_in_flight:
+            context = context + request.inflight_drafts
+        wanted = max_drafts + input_in_flight
+        try:
+            proposed = self.proposer.propose(request.request_id, context, wanted)
+            drafts = self._check(proposed, wanted)
+        except Exception as error:  # a proposer bug costs this request's drafts, nothing else
+            if not history.warned:
+                history.warned = True
+                logger.warning("speculative proposer failed for request %s (%s: %s); it gets no drafts this "
+                               "step (logged once per request)", request.request_id, type(error).__name__, error)
+            return []
+        return drafts[1:] if input_in_flight else drafts
+
+    def _check(self, proposed: object, wanted: int) -> list[int]:
+        """The proposal as a list of at most `wanted` token ids, or ValueError."""
+        if proposed is None:
+            return []
+        drafts = list(proposed)[:wanted]
+        for token in drafts:
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
+                raise ValueError(f"proposed token {token!r} is not a token id in [0, {self.vocab_size})")
+        return drafts
+
+    def record(self, request: Request, num_proposed: int, num_accepted: int) -> None:
+        """A verify row retired: back off while every draft is rejected."""
+        history = self._history.get(request)
+        if history is None:
+            return
+        if num_accepted or not num_proposed:
+            history.misses = 0
+            return
+        history.misses += 1
+        history.skip = min(2 ** history.misses, MAX_BACKOFF_ROWS)
