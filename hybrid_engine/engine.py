@@ -122,7 +122,7 @@ class LLMEngine:
         if slow:
             logger.warning("CUDA graphs disabled: decode ops %s have no fast kernel here", slow)
             return
-        graphs = DecodeGraphs(max_num_seqs)
+        graphs = DecodeGraphs(max_num_seqs, self.runner.max_width)
         graphs.capture(self.runner)
         self.runner.graphs = graphs
         self.runner.buffer.num_syncs = 0  # capture's own copies are not steps

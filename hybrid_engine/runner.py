@@ -226,7 +226,10 @@ class ModelRunner:
         """The general path: every row's fields from the requests' bookkeeping."""
         decodes, prefills = sched.decodes, sched.prefills
         n_dec, n_seq = len(decodes), len(decodes) + len(prefills)
-        width = 1 + max(len(c.drafts) for c in decodes) if self._has_drafts(sched) else 1
+        width = 1
+        if self._has_drafts(sched):
+            # Graphs are captured for the widest rows only: any verify step takes that width.
+            width = self.max_width if self.graphs is not None else 1 + max(len(c.drafts) for c in decodes)
         h = self.buffer.host_np
         owners, bt_owner, bt_len = self._row_owner, self._block_table_owner, self._block_table_len
         bs = self.kv.block_size
@@ -284,9 +287,7 @@ class ModelRunner:
         plan.num_from_prev = num_from_prev
         plan.num_new_slots = len(new_slots)
         plan.decode_width = width
-        if width > 1:
-            return plan
-        if not prefills:
+        if not prefills and width == 1:
             plan.decode_requests = [c.request for c in decodes]
         if self.graphs is not None:
             size = self.graphs.padded_size(n_dec, plan.num_prefill, plan.use_penalties, plan.num_logprobs)
@@ -431,22 +432,26 @@ class ModelRunner:
 
     def _write_padding(self, plan: StepPlan, size: int) -> None:
         """Grow a decode-only step to `size` rows with rows that touch no state (for a graph)."""
-        h, lo = self.buffer.host_np, plan.num_seqs
+        h, lo, width = self.buffer.host_np, plan.num_seqs, plan.decode_width
         if size > lo:
-            tokens = self.buffer.host_group("token_i64")
-            tokens[TOKEN.input_ids, lo:size] = 0
-            tokens[TOKEN.positions, lo:size] = 0
-            tokens[TOKEN.slot_mapping, lo:size] = -1  # write no KV
+            tokens, t0, t1 = self.buffer.host_group("token_i64"), lo * width, size * width
+            tokens[TOKEN.input_ids, t0:t1] = 0
+            tokens[TOKEN.positions, t0:t1] = 0
+            tokens[TOKEN.slot_mapping, t0:t1] = -1  # write no KV
+            h["verify_src"][t0:t1] = -1
+            h["verify_dst"][t0:t1] = -1
             seq = self.buffer.host_group("seq_i64")
             seq[:, lo:size] = 0  # seeds, output_pos, history rows / lens, prompt_lens
             seq[SEQ.mamba_src, lo:size] = -1  # no state
             seq[SEQ.mamba_dst, lo:size] = -1
             seq[SEQ.input_from_prev, lo:size] = -1  # keep the host ids
-            seq[SEQ.logits_indices, lo:size] = self._rows[lo:size]
+            seq[SEQ.logits_indices, lo:size] = self._rows[lo:size] * width
             self.buffer.host_group("sampling_f32")[:, lo:size] = self._neutral_sampling
-            h["prompt_token_mask"][lo:size] = False
-            h["cu_seqlens_q"][lo + 1:size + 1] = self._rows[lo + 1:size + 1]
-            h["seq_lens"][lo:size] = 0
+            h["prompt_token_mask"][t0:t1] = False
+            h["cu_seqlens_q"][lo + 1:size + 1] = self._rows[lo + 1:size + 1] * width
+            # A padding verify row has `width` queries: it attends to `width` keys of block 0
+            # (read only; its outputs are never used).
+            h["seq_lens"][lo:size] = 0 if width == 1 else width
             h["block_tables"][lo:size] = 0
             h["top_k"][lo:size] = NEUTRAL_SAMPLING.top_k
         h["prefill_cu_seqlens"][0] = 0
@@ -454,14 +459,17 @@ class ModelRunner:
 
     @staticmethod
     def _pad_plan(plan: StepPlan, size: int) -> None:
-        plan.num_decode = plan.num_tokens = size
-        plan.max_seqlen_q = 1
+        plan.num_decode = size
+        plan.num_tokens = size * plan.decode_width
+        plan.max_seqlen_q = plan.decode_width
         plan.num_from_prev = size  # the graph always gathers (rows of -1 keep the host ids)
 
-    def padding_plan(self, size: int, all_greedy: bool) -> StepPlan:
-        """A decode step of `size` padding rows, written and mirrored (for graph capture)."""
+    def padding_plan(self, size: int, all_greedy: bool, width: int = 1) -> StepPlan:
+        """A decode step of `size` padding rows `width` tokens wide, written and mirrored
+        (for graph capture)."""
         plan = StepPlan(sched=SchedulerOutput(), num_decode=0, num_prefill=0, num_tokens=0, max_seqlen_q=1,
-                        num_logprobs=-1, all_greedy=all_greedy, use_penalties=False, num_from_prev=0)
+                        num_logprobs=-1, all_greedy=all_greedy, use_penalties=False, num_from_prev=0,
+                        decode_width=width)
         self._write_padding(plan, size)
         self.buffer.sync()
         return plan

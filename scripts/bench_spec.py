@@ -1,0 +1,147 @@
+"""Speculative decoding benchmark: output tok/s with drafts against our own non-speculative
+decoding in the same process, on bench_decode's peer shapes (bf16, dummy weights, async +
+CUDA graphs by default).
+
+    python scripts/bench_spec.py --batches 1 32 128 --k 4 --output-len 128
+
+Proposers: `oracle` (proposes the continuation the non-speculative run produced: acceptance
+~100%, the ceiling of any proposer), `adversarial` (always wrong: acceptance 0, shows the
+cost of verifying and the back-off), `ngram` (prompt lookup, on prompts that repeat a text).
+Each row is the median of `--repeats` timed runs after a warm-up run; `agree` is the share
+of output tokens equal to the non-speculative run's (bf16 verify steps multiply more rows
+than decode steps, so rounding can flip a near-tie). Prints one table; `--json` writes it.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode import peer_model_dir  # noqa: E402
+
+from hybrid_engine import LLM, SamplingParams  # noqa: E402
+
+
+class OracleProposer:
+    """Drafts the tokens the non-speculative run produced after the same context."""
+
+    def __init__(self, truth: dict[str, list[int]]):
+        self.truth = truth
+
+    def propose(self, request_id: str, token_ids: list[int], num_tokens: int) -> list[int]:
+        full = self.truth[request_id]
+        n = len(token_ids)
+        return full[n:n + num_tokens] if full[:n] == token_ids else []
+
+
+class AdversarialProposer(OracleProposer):
+    """Drafts a token other than the non-speculative run's at every position."""
+
+    def propose(self, request_id: str, token_ids: list[int], num_tokens: int) -> list[int]:
+        full = self.truth[request_id]
+        n = len(token_ids)
+        return [(t + 1) % 1000 for t in full[n:n + num_tokens]] + [5] * max(0, n + num_tokens - len(full))
+
+
+def workload(batch: int, prompt_len: int, vocab: int, repetitive: bool) -> list[tuple[str, list[int]]]:
+    gen = torch.Generator().manual_seed(batch)
+    prompts = []
+    for i in range(batch):
+        if repetitive:  # a text said three times: prompt lookup has something to find
+            text = torch.randint(3, vocab, (prompt_len // 3,), generator=gen).tolist()
+            prompts.append((f"b{batch}-{i}", text * 3))
+        else:
+            prompts.append((f"b{batch}-{i}", torch.randint(3, vocab, (prompt_len,), generator=gen).tolist()))
+    return prompts
+
+
+def timed_run(llm: LLM, prompts: list[tuple[str, list[int]]], output_len: int) -> tuple[float, dict, dict]:
+    """(output tok/s, outputs by id, stats delta) of one run of the whole batch."""
+    engine = llm.engine
+    before = engine.stats()
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    for rid, prompt in prompts:
+        engine.add_request(rid, prompt, params)
+    outputs = {}
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.output_token_ids
+    wall = time.perf_counter() - start
+    after = engine.stats()
+    delta = {k: after[k] - before[k] for k in ("steps", "spec_steps", "spec_proposed_tokens", "spec_accepted_tokens")}
+    return sum(map(len, outputs.values())) / wall, outputs, delta
+
+
+def median_run(llm, prompts, output_len, repeats):
+    timed_run(llm, prompts, output_len)  # warm-up
+    runs = [timed_run(llm, prompts, output_len) for _ in range(repeats)]
+    tok_s = statistics.median(r[0] for r in runs)
+    return tok_s, runs[-1][1], runs[-1][2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--prompt-len", type=int, default=255)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--proposers", nargs="+", default=["oracle", "adversarial", "ngram"])
+    p.add_argument("--eager", action="store_true", help="serial eager instead of async + CUDA graphs")
+    p.add_argument("--json", help="also write the rows here")
+    args = p.parse_args()
+
+    model = peer_model_dir()
+    common = dict(model=model, load_format="dummy", dtype="bfloat16", max_num_seqs=max(args.batches),
+                  max_model_len=args.prompt_len + args.output_len + 16)
+    if args.eager:
+        common.update(async_scheduling=False, cuda_graphs=False)
+    truth: dict[str, list[int]] = {}
+    spec_llms = {}
+    oracle, adversarial = OracleProposer(truth), AdversarialProposer(truth)
+    configs = {"oracle": {"method": "proposer", "proposer": oracle},
+               "adversarial": {"method": "proposer", "proposer": adversarial},
+               "ngram": {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5}}
+    base = LLM(**common)
+    for name in args.proposers:
+        spec_llms[name] = LLM(**common, speculative_config={**configs[name], "num_speculative_tokens": args.k})
+    vocab = base.engine.model_config.vocab_size
+    rows = []
+    for batch in args.batches:
+        for repetitive in (False, True):
+            names = [n for n in args.proposers if (n == "ngram") == repetitive]
+            if not names:
+                continue
+            prompts = workload(batch, args.prompt_len, vocab, repetitive)
+            base_tok_s, base_out, _ = median_run(base, prompts, args.output_len, args.repeats)
+            truth.clear()
+            truth.update({rid: prompt + base_out[rid] for rid, prompt in prompts})
+            for name in names:
+                tok_s, out, stats = median_run(spec_llms[name], prompts, args.output_len, args.repeats)
+                agree = sum(a == b for rid in out for a, b in zip(out[rid], base_out[rid])) / sum(
+                    map(len, base_out.values()))
+                proposed = stats["spec_proposed_tokens"]
+                rows.append(dict(batch=batch, proposer=name, k=args.k, base_tok_s=round(base_tok_s, 1),
+                                 spec_tok_s=round(tok_s, 1), speedup=round(tok_s / base_tok_s, 3),
+                                 acceptance=round(stats["spec_accepted_tokens"] / proposed, 3) if proposed else 0.0,
+                                 tokens_per_step=round(sum(map(len, out.values())) / max(stats["steps"], 1), 2),
+                                 verify_steps=stats["spec_steps"], steps=stats["steps"], agree=round(agree, 4)))
+    header = list(rows[0])
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(str(row[h]) for h in header) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
