@@ -384,7 +384,7 @@ class ModelRunner:
         tokens[TOKEN.input_ids, :total] = ids.ravel()
         tokens[TOKEN.positions, :total] = positions.ravel()
         tokens[TOKEN.slot_mapping, :total] = slots.ravel()
-        h["verify_src"][:total], h["verify_dst"][:total] = verify_src.ravel(), verify_dst.ravel()
+        h["verify_src"][:width, :n], h["verify_dst"][:width, :n] = verify_src.T, verify_dst.T
         h["seq_lens"][:n] += width - 1  # keys through the last (padding) position
         h["prompt_token_mask"][:total] = False
 
@@ -438,8 +438,8 @@ class ModelRunner:
             tokens[TOKEN.input_ids, t0:t1] = 0
             tokens[TOKEN.positions, t0:t1] = 0
             tokens[TOKEN.slot_mapping, t0:t1] = -1  # write no KV
-            h["verify_src"][t0:t1] = -1
-            h["verify_dst"][t0:t1] = -1
+            h["verify_src"][:width, lo:size] = -1
+            h["verify_dst"][:width, lo:size] = -1
             seq = self.buffer.host_group("seq_i64")
             seq[:, lo:size] = 0  # seeds, output_pos, history rows / lens, prompt_lens
             seq[SEQ.mamba_src, lo:size] = -1  # no state
@@ -495,9 +495,8 @@ class ModelRunner:
         d, t, s = self.buffer.device, plan.num_tokens, plan.num_seqs
         verify_src = verify_dst = None
         if plan.decode_width > 1:
-            shape = (plan.num_decode, plan.decode_width)
-            verify_src = d["verify_src"][: shape[0] * shape[1]].view(shape)
-            verify_dst = d["verify_dst"][: shape[0] * shape[1]].view(shape)
+            verify_src = d["verify_src"][: plan.decode_width, : plan.num_decode]
+            verify_dst = d["verify_dst"][: plan.decode_width, : plan.num_decode]
         return ForwardMeta(
             num_decode=plan.num_decode, num_prefill=plan.num_prefill, num_tokens=t, max_seqlen_q=plan.max_seqlen_q,
             decode_width=plan.decode_width, verify_src=verify_src, verify_dst=verify_dst,

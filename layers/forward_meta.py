@@ -31,8 +31,9 @@ class ForwardMeta:
     mamba_dst: torch.Tensor  # [S] int64 state slot each sequence writes
     logits_indices: torch.Tensor  # [S] int64 token whose hidden state feeds sampling
     # Speculative decoding: decode rows are `decode_width` tokens wide (input token, drafts,
-    # padding), and position j of row i reads state slot verify_src[i, j] and writes
-    # verify_dst[i, j] ([num_decode, decode_width] int64, -1 = padding); None when width 1.
+    # padding), and position j of row i reads state slot verify_src[j, i] and writes
+    # verify_dst[j, i] ([decode_width, num_decode] int64, each position's row contiguous;
+    # -1 = padding); None when width 1.
     decode_width: int = 1
     verify_src: torch.Tensor | None = None
     verify_dst: torch.Tensor | None = None

@@ -107,11 +107,11 @@ class Mamba2Mixer(nn.Module):
     def _verify(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, weight: torch.Tensor,
                 meta: ForwardMeta) -> torch.Tensor:
         """Verify rows: position by position, the same single-token update as a decode row,
-        each position's state written to its own slot (`meta.verify_dst[:, j]`), so the
-        state after any accepted draft can be committed without recomputation."""
-        rows, width = meta.verify_src.shape
+        each position's state written to its own slot (`meta.verify_dst[j]`), so the state
+        after any accepted draft can be committed without recomputation."""
+        width, rows = meta.verify_src.shape
         xbc, dt = xbc.view(rows, width, -1), dt.view(rows, width, -1)
-        ys = [self._decode(xbc[:, j], dt[:, j], a, weight, meta.verify_src[:, j], meta.verify_dst[:, j])
+        ys = [self._decode(xbc[:, j], dt[:, j], a, weight, meta.verify_src[j], meta.verify_dst[j])
               for j in range(width)]
         return torch.stack(ys, dim=1).flatten(0, 1)
 
