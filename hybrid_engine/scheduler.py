@@ -419,7 +419,9 @@ class Scheduler:
             self._release(request)
 
     def _release(self, request: Request) -> None:
-        """Return a request's blocks and Mamba state to the pools."""
+        """Return a request's blocks and Mamba state to the pools (and its drafting state)."""
+        if self.drafter is not None:
+            self.drafter.release(request)
         if request.blocks:
             self.kv.free(request.blocks)
             request.blocks = []  # a new list: the runner's block-table cache keys on it
