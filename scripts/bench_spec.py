@@ -23,7 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import peer_model_dir  # noqa: E402
+from bench_decode import StepProbe, peer_model_dir  # noqa: E402
 
 from hybrid_engine import LLM, SamplingParams  # noqa: E402
 
@@ -81,6 +81,23 @@ def timed_run(llm: LLM, prompts: list[tuple[str, list[int]]], output_len: int) -
     return sum(map(len, outputs.values())) / wall, outputs, delta
 
 
+def probe(llm: LLM, prompts: list[tuple[str, list[int]]], output_len: int, steps: int) -> dict:
+    """GPU busy time and host time per step (bench_decode's StepProbe) over `steps` steps
+    after the prompts are prefilled."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    for rid, prompt in prompts:
+        engine.add_request(rid, prompt, params)
+    while any(r.num_computed < len(r.prompt_token_ids) for r in engine.requests.values()):
+        engine.step()
+    result = StepProbe(engine).run(steps)
+    while engine.has_unfinished_requests():
+        engine.step()
+    host = sum(v for k, v in result.items() if k.startswith("host_") and k != "host_wait_us")
+    return dict(gpu_ms=round(result["gpu_busy_ms_per_step"], 3), idle=round(result["gpu_idle"], 3),
+                host_ms=round(host / 1e3, 3))
+
+
 def median_run(llm, prompts, output_len, repeats):
     timed_run(llm, prompts, output_len)  # warm-up
     runs = [timed_run(llm, prompts, output_len) for _ in range(repeats)]
@@ -97,6 +114,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--proposers", nargs="+", default=["oracle", "adversarial", "ngram"])
     p.add_argument("--eager", action="store_true", help="serial eager instead of async + CUDA graphs")
+    p.add_argument("--probe", action="store_true", help="add GPU busy / host time per step columns")
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args()
 
@@ -144,6 +162,9 @@ def main() -> None:
                                  tokens_per_step=round(sum(map(len, out.values())) / max(stats["steps"], 1), 2),
                                  verify_steps=stats["spec_steps"], steps=stats["steps"], agree=round(agree, 4),
                                  calib=calibration if name == "oracle" else 0))
+                if args.probe:
+                    rows[-1].update({f"base_{k}": v for k, v in probe(base, prompts, args.output_len, 16).items()})
+                    rows[-1].update(probe(spec_llms[name], prompts, args.output_len, 16))
     header = list(rows[0])
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
