@@ -16,9 +16,9 @@ num_tokens). Rows past the step's count are stale and never read.
 | positions           | int64   | [T]        | absolute position of each token                 |
 | slot_mapping        | int64   | [T]        | KV cache slot (block * block_size + offset)     |
 | mamba_src/mamba_dst | int64   | [S]        | state slot a sequence reads / writes            |
-| verify_src/verify_dst | int64 | [W, S]     | verify rows: slot read / written by position j  |
-|                     |         |            | of row i at [j, i] (-1 = padding); position-    |
-|                     |         |            | major so each position's slots are contiguous   |
+| verify_dst          | int64   | [W, S]     | verify rows: slot the state after position j of |
+|                     |         |            | row i is written to, at [j, i] (-1 = padding);  |
+|                     |         |            | position-major: each position's list contiguous |
 | input_from_prev     | int64   | [S]        | decode row's input = previous step's sample at  |
 |                     |         |            | this row (launch-ahead), -1 = input_ids holds it |
 | logits_indices      | int64   | [S]        | token whose hidden state is sampled             |
@@ -113,7 +113,7 @@ def _fields(max_tokens: int, max_seqs: int, max_blocks: int, max_new_slots: int,
     return (
         [_Field(n, torch.int64, t) for n in TOKEN_I64]
         + [_Field(n, torch.int64, s) for n in SEQ_I64]
-        + [_Field(n, torch.int64, (max_width, max_seqs)) for n in ("verify_src", "verify_dst")]
+        + [_Field("verify_dst", torch.int64, (max_width, max_seqs))]
         + [_Field("new_state_slots", torch.int64, (max_new_slots,))]
         + [_Field("cu_seqlens_q", torch.int32, (max_seqs + 1,)), _Field("prefill_cu_seqlens", torch.int32, (max_seqs + 1,)),
            _Field("seq_lens", torch.int32, s), _Field("block_tables", torch.int32, (max_seqs, max_blocks)),

@@ -362,13 +362,12 @@ class ModelRunner:
     def _write_verify_rows(self, decodes: list[ScheduledChunk], width: int, token_rows: np.ndarray) -> None:
         """Token fields of decode rows `width` tokens wide: row i's input token, its drafts,
         then padding (position repeated, no KV write, no state), at tokens [i*width,
-        (i+1)*width); and the state slot each position reads and writes (the row's src,
-        then each position's state into the next of its dsts)."""
+        (i+1)*width); and the slot the state after each position is written to (the row
+        starts from its `mamba_src`)."""
         n, bs = len(decodes), self.kv.block_size
         ids = np.zeros((n, width), dtype=np.int64)
         positions = np.empty((n, width), dtype=np.int64)
         slots = np.full((n, width), -1, dtype=np.int64)
-        verify_src = np.full((n, width), -1, dtype=np.int64)
         verify_dst = np.full((n, width), -1, dtype=np.int64)
         offsets = self._rows[:width]
         for i, c in enumerate(decodes):
@@ -378,13 +377,12 @@ class ModelRunner:
             positions[i] = c.start + np.minimum(offsets, real - 1)
             table, pos = self._block_table[c.request.state.row], positions[i, :real]
             slots[i, :real] = table[pos // bs] * bs + pos % bs
-            chain = (c.state_src, *c.state_dsts)
-            verify_src[i, :real], verify_dst[i, :real] = chain[:real], chain[1:]
+            verify_dst[i, :real] = c.state_dsts
         tokens, h, total = self.buffer.host_group("token_i64"), self.buffer.host_np, n * width
         tokens[TOKEN.input_ids, :total] = ids.ravel()
         tokens[TOKEN.positions, :total] = positions.ravel()
         tokens[TOKEN.slot_mapping, :total] = slots.ravel()
-        h["verify_src"][:width, :n], h["verify_dst"][:width, :n] = verify_src.T, verify_dst.T
+        h["verify_dst"][:width, :n] = verify_dst.T
         h["seq_lens"][:n] += width - 1  # keys through the last (padding) position
         h["prompt_token_mask"][:total] = False
 
@@ -438,7 +436,6 @@ class ModelRunner:
             tokens[TOKEN.input_ids, t0:t1] = 0
             tokens[TOKEN.positions, t0:t1] = 0
             tokens[TOKEN.slot_mapping, t0:t1] = -1  # write no KV
-            h["verify_src"][:width, lo:size] = -1
             h["verify_dst"][:width, lo:size] = -1
             seq = self.buffer.host_group("seq_i64")
             seq[:, lo:size] = 0  # seeds, output_pos, history rows / lens, prompt_lens
@@ -493,13 +490,12 @@ class ModelRunner:
     def forward_meta(self, plan: StepPlan) -> ForwardMeta:
         """Slices of the device views sized for this step."""
         d, t, s = self.buffer.device, plan.num_tokens, plan.num_seqs
-        verify_src = verify_dst = None
+        verify_dst = None
         if plan.decode_width > 1:
-            verify_src = d["verify_src"][: plan.decode_width, : plan.num_decode]
             verify_dst = d["verify_dst"][: plan.decode_width, : plan.num_decode]
         return ForwardMeta(
             num_decode=plan.num_decode, num_prefill=plan.num_prefill, num_tokens=t, max_seqlen_q=plan.max_seqlen_q,
-            decode_width=plan.decode_width, verify_src=verify_src, verify_dst=verify_dst,
+            decode_width=plan.decode_width, verify_dst=verify_dst,
             positions=d["positions"][:t], prompt_token_mask=d["prompt_token_mask"][:t],
             slot_mapping=d["slot_mapping"][:t], cu_seqlens_q=d["cu_seqlens_q"][: s + 1],
             prefill_cu_seqlens=d["prefill_cu_seqlens"][: plan.num_prefill + 1], seq_lens=d["seq_lens"][:s],

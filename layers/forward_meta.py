@@ -31,11 +31,10 @@ class ForwardMeta:
     mamba_dst: torch.Tensor  # [S] int64 state slot each sequence writes
     logits_indices: torch.Tensor  # [S] int64 token whose hidden state feeds sampling
     # Speculative decoding: decode rows are `decode_width` tokens wide (input token, drafts,
-    # padding), and position j of row i reads state slot verify_src[j, i] and writes
-    # verify_dst[j, i] ([decode_width, num_decode] int64, each position's row contiguous;
-    # -1 = padding); None when width 1.
+    # padding); row i starts from state slot mamba_src[i] and writes the state after its
+    # position j to verify_dst[j, i] ([decode_width, num_decode] int64, each position's
+    # row contiguous; -1 = padding); None when width 1.
     decode_width: int = 1
-    verify_src: torch.Tensor | None = None
     verify_dst: torch.Tensor | None = None
 
     @property

@@ -109,11 +109,17 @@ class Mamba2Mixer(nn.Module):
         """Verify rows: position by position, the same single-token update as a decode row,
         each position's state written to its own slot (`meta.verify_dst[j]`), so the state
         after any accepted draft can be committed without recomputation."""
-        width, rows = meta.verify_src.shape
-        xbc, dt = xbc.view(rows, width, -1), dt.view(rows, width, -1)
-        ys = [self._decode(xbc[:, j], dt[:, j], a, weight, meta.verify_src[j], meta.verify_dst[j])
-              for j in range(width)]
-        return torch.stack(ys, dim=1).flatten(0, 1)
+        width, rows = meta.verify_dst.shape
+        src, dst = meta.mamba_src[:rows], meta.verify_dst
+        xbc = self.ops.causal_conv1d_verify(xbc.view(rows, width, -1), weight, self.conv1d.bias, self.conv_state,
+                                            src, dst)
+        gs = self.n_groups * self.state_size
+        xs, b, c = xbc.split([self.d_ssm, gs, gs], dim=-1)
+        y = self.ops.ssm_state_verify(self.ssm_state, xs.unflatten(-1, (self.num_heads, self.head_dim)),
+                                      dt.view(rows, width, -1), a, b.unflatten(-1, (self.n_groups, self.state_size)),
+                                      c.unflatten(-1, (self.n_groups, self.state_size)), self.D, src, dst,
+                                      self.dt_bias)
+        return y.flatten(0, 1)
 
     def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = xbc.shape[0]

@@ -8,9 +8,9 @@ from typing import Callable
 # The MoE routers are not listed: the reference routers are already sync-free torch ops.
 FAMILIES: dict[str, tuple[str, ...]] = {
     "norm": ("rms_norm", "gated_rms_norm"),
-    "conv1d": ("causal_conv1d_varlen", "causal_conv1d_update"),
+    "conv1d": ("causal_conv1d_varlen", "causal_conv1d_update", "causal_conv1d_verify"),
     "ssd": ("ssd_chunk_scan_varlen",),
-    "ssm_update": ("ssm_state_update",),
+    "ssm_update": ("ssm_state_update", "ssm_state_verify"),
     "attention": ("write_kv_cache", "paged_attention"),
     "moe": ("moe_experts",),
 }

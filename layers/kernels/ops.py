@@ -60,6 +60,23 @@ class KernelOps(Protocol):
         or raw when `dt_bias` [H] is given (softplus(dt + dt_bias) is applied inside, like
         mamba-ssm's `dt_softplus`); B, C: [B, G, N]. Returns y: [B, H, P] in x's dtype."""
 
+    def causal_conv1d_verify(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             conv_states: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor,
+                             activation: str | None = "silu") -> torch.Tensor:
+        """Verify rows (speculative decoding): W consecutive tokens per row, each the
+        `causal_conv1d_update` of one token, the state after position j written to
+        `dst_slots[j]`. x: [B, W, D] (any row and position stride); src_slots: [B] (-1: a
+        padding row); dst_slots: [W, B] (-1: a padding position: output zeros, nothing
+        written; the row's later positions are padding too). Returns [B, W, D] in x's dtype."""
+
+    def ssm_state_verify(self, ssm_states: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                         B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, src_slots: torch.Tensor,
+                         dst_slots: torch.Tensor, dt_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Verify rows: W consecutive tokens per row, each the `ssm_state_update` of one
+        token, the state after position j written to `dst_slots[j]` (so any accepted prefix
+        can be committed). x: [B, W, H, P]; dt: [B, W, H]; B, C: [B, W, G, N]; src_slots [B]
+        and dst_slots [W, B] as in `causal_conv1d_verify`. Returns y: [B, W, H, P]."""
+
     def write_kv_cache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slot_mapping: torch.Tensor) -> None:
         """Scatter this step's keys/values [T, kv_heads, head_dim] into their cache slots

@@ -91,7 +91,7 @@ def test_verify_rows_write_each_position_state_like_single_token_updates() -> No
     src = torch.tensor([[0, 2, 3], [1, -1, -1]])
     dst = torch.tensor([[2, 3, 4], [5, -1, -1]])
     meta = step_meta(2, [], src=[0, 1], dst=[2, 5])
-    meta.decode_width, meta.verify_src, meta.verify_dst = width, src.T.contiguous(), dst.T.contiguous()
+    meta.decode_width, meta.verify_dst = width, dst.T.contiguous()
     before = (verified.conv_state.clone(), verified.ssm_state.clone())
     y = verified(x, meta).view(2, width, HIDDEN)
 

@@ -2,14 +2,15 @@
 
 This module implements every op of `layers.kernels.ops.KernelOps` with its exact signature."""
 from layers.kernels.reference.attention import paged_attention, write_kv_cache
-from layers.kernels.reference.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from layers.kernels.reference.conv1d import causal_conv1d_update, causal_conv1d_varlen, causal_conv1d_verify
 from layers.kernels.reference.moe import moe_experts, route_sigmoid_grouped, route_softmax_topk
 from layers.kernels.reference.norm import gated_rms_norm, rms_norm
-from layers.kernels.reference.ssd import ssd_chunk_scan_varlen, ssm_state_update
+from layers.kernels.reference.ssd import ssd_chunk_scan_varlen, ssm_state_update, ssm_state_verify
 
 __all__ = [
     "causal_conv1d_update",
     "causal_conv1d_varlen",
+    "causal_conv1d_verify",
     "gated_rms_norm",
     "moe_experts",
     "paged_attention",
@@ -18,5 +19,6 @@ __all__ = [
     "route_softmax_topk",
     "ssd_chunk_scan_varlen",
     "ssm_state_update",
+    "ssm_state_verify",
     "write_kv_cache",
 ]

@@ -77,3 +77,30 @@ def causal_conv1d_update(
     rows = valid.nonzero().flatten()
     conv_states[dst_slots[rows]] = seq[rows, :, 1:].to(conv_states.dtype)
     return torch.where(valid.unsqueeze(-1), y, torch.zeros_like(y))
+
+
+def causal_conv1d_verify(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_states: torch.Tensor,
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """W tokens per row, position by position through `causal_conv1d_update`: position j
+    reads the state position j-1 wrote (the row's src for j = 0) and writes dst_slots[j]."""
+    return torch.stack(run_verify_positions(src_slots, dst_slots, lambda j, src, dst: causal_conv1d_update(
+        x[:, j], weight, bias, conv_states, src, dst, activation)), dim=1)
+
+
+def run_verify_positions(src_slots: torch.Tensor, dst_slots: torch.Tensor, update) -> list[torch.Tensor]:
+    """Run `update(j, src, dst)` for every position of verify rows: position j reads what
+    position j-1 wrote; a padding position (dst -1) reads nothing (src -1)."""
+    outputs, src = [], src_slots
+    for j in range(dst_slots.shape[0]):
+        dst = dst_slots[j]
+        src = torch.where(dst >= 0, src, -1)
+        outputs.append(update(j, src, dst))
+        src = dst
+    return outputs

@@ -12,6 +12,8 @@ Recurrence per head h (what both forms compute):
 import torch
 import torch.nn.functional as F
 
+from layers.kernels.reference.conv1d import run_verify_positions
+
 # Tokens per block of the chunked scan. The result does not depend on it (the blocking is
 # exact up to rounding); the Triton scan imports it, so both block and round alike.
 CHUNK = 32
@@ -134,3 +136,21 @@ def ssm_state_update(
     rows = valid.nonzero().flatten()
     ssm_states[dst_slots[rows]] = state[rows].to(ssm_states.dtype)
     return torch.where(valid[:, None, None], y, torch.zeros_like(y)).to(x.dtype)
+
+
+def ssm_state_verify(
+    ssm_states: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+    dt_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """W tokens per row, position by position through `ssm_state_update`, the state after
+    position j written to dst_slots[j] (see `causal_conv1d_verify`)."""
+    return torch.stack(run_verify_positions(src_slots, dst_slots, lambda j, src, dst: ssm_state_update(
+        ssm_states, x[:, j], dt[:, j], A, B[:, j], C[:, j], D, src, dst, dt_bias)), dim=1)

@@ -198,3 +198,81 @@ def causal_conv1d_update(
         K=k, BK=triton.next_power_of_2(k), HAS_BIAS=bias is not None, SILU=silu, BD=bd, num_warps=4,
     )
     return y
+
+
+@triton.jit
+def _conv_verify_kernel(
+    x_ptr, w_ptr, bias_ptr, states_ptr, y_ptr, src_ptr, dst_ptr, dim, width,
+    stride_xb, stride_xw, stride_wd, stride_slot, stride_sd, stride_sk, stride_yb, stride_yw, stride_dst_w,
+    K: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BD: tl.constexpr,
+):
+    # `_conv_update_kernel` over `width` positions of a row. The saved history is read into
+    # registers before any state is written (a dst slot may be the src slot: serial rings);
+    # tap t of position j is input j-(K-1)+t: from x when >= 0, else from the history.
+    row = tl.program_id(0)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    d_in = d < dim
+    src = tl.load(src_ptr + row)
+    c = tl.arange(0, BK)
+    live = (d * 0 + src) >= 0  # row flags as [BD] vectors: masks stay vector-shaped
+    history = tl.load(states_ptr + tl.maximum(src, 0).to(tl.int64) * stride_slot + d[:, None] * stride_sd
+                      + c[None, :] * stride_sk, mask=(d_in & live)[:, None] & (c < K - 1)[None, :],
+                      other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + d[:, None] * stride_wd + c[None, :], mask=d_in[:, None] & (c < K)[None, :], other=0.0)
+    w = w.to(tl.float32)
+    bias = tl.zeros((BD,), dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + d, mask=d_in, other=0.0).to(tl.float32)
+    x_row = x_ptr + row * stride_xb
+    for j in range(width):
+        dst = tl.load(dst_ptr + j * stride_dst_w + row)
+        live = live & ((d * 0 + dst) >= 0)
+        # The window of position j: inputs j-K+1 .. j (column t = input j-(K-1)+t).
+        pos = j - (K - 1) + c
+        from_x = (pos >= 0) & (c < K)
+        xv = tl.load(x_row + tl.maximum(pos, 0)[None, :] * stride_xw + d[:, None],
+                     mask=d_in[:, None] & from_x[None, :], other=0.0).to(tl.float32)
+        # History column K-1+pos for taps before the row's first token.
+        hist = tl.zeros((BD, BK), dtype=tl.float32)
+        for h in tl.static_range(K - 1):
+            hcol = tl.sum(tl.where((c == h)[None, :], history, 0.0), axis=1)
+            hist = tl.where((pos == h - (K - 1))[None, :], hcol[:, None], hist)
+        window = tl.where(from_x[None, :], xv, hist)
+        acc = tl.sum(window * w, axis=1) + bias
+        if SILU:
+            acc = acc * tl.sigmoid(acc)
+        acc = tl.where(live, acc, 0.0)
+        tl.store(y_ptr + row * stride_yb + j * stride_yw + d, acc.to(y_ptr.dtype.element_ty), mask=d_in)
+        # The state after position j: the window's last K-1 columns, shifted left by one.
+        tl.store(states_ptr + tl.maximum(dst, 0).to(tl.int64) * stride_slot + d[:, None] * stride_sd
+                 + (c - 1)[None, :] * stride_sk, window.to(states_ptr.dtype.element_ty),
+                 mask=(d_in & live)[:, None] & ((c >= 1) & (c < K))[None, :])
+
+
+def causal_conv1d_verify(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_states: torch.Tensor,
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """Verify rows: `width` tokens per row through the single-token conv update, one
+    kernel; the state after position j goes to dst_slots[j] ([W, B], -1: padding).
+    x: [B, W, D] (unit channel stride). Returns [B, W, D] in x's dtype."""
+    silu = _check_activation(activation)
+    batch, width, dim = x.shape
+    k = weight.shape[1]
+    y = torch.empty((batch, width, dim), dtype=x.dtype, device=x.device)
+    if batch == 0:
+        return y
+    x, weight = _unit_last_stride(x), _unit_last_stride(weight)
+    bd = 128
+    _conv_verify_kernel[(batch, triton.cdiv(dim, bd))](
+        x, weight, bias if bias is not None else weight, conv_states, y, src_slots, dst_slots, dim, width,
+        x.stride(0), x.stride(1), weight.stride(0), conv_states.stride(0), conv_states.stride(1),
+        conv_states.stride(2), y.stride(0), y.stride(1), dst_slots.stride(0),
+        K=k, BK=triton.next_power_of_2(k), HAS_BIAS=bias is not None, SILU=silu, BD=bd, num_warps=4,
+    )
+    return y

@@ -96,3 +96,87 @@ def ssm_state_update(
         BP=bp, BN=triton.next_power_of_2(state_size), HAS_DT_BIAS=dt_bias is not None, num_warps=4,
     )
     return y
+
+
+@triton.jit
+def _ssm_verify_kernel(
+    state_ptr, x_ptr, dt_ptr, dt_bias_ptr, a_ptr, b_ptr, c_ptr, d_ptr, y_ptr, src_ptr, dst_ptr,
+    width, head_dim, state_size, heads_per_group,
+    stride_slot, stride_sh, stride_sp, stride_sn,
+    stride_xb, stride_xw, stride_xh, stride_xp,
+    stride_dtb, stride_dtw, stride_dth,
+    stride_bb, stride_bw, stride_bg, stride_bn,
+    stride_cb, stride_cw, stride_cg, stride_cn,
+    stride_yb, stride_yw, stride_yh, stride_yp,
+    stride_dst_w,
+    BP: tl.constexpr, BN: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+):
+    # The single-token update of `_ssm_update_kernel`, applied to `width` positions with the
+    # state kept in registers: read once, written after every position to its own slot.
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    p = tl.program_id(2) * BP + tl.arange(0, BP)
+    n = tl.arange(0, BN)
+    p_in = p < head_dim
+    n_in = n < state_size
+    src = tl.load(src_ptr + row)
+    group = head // heads_per_group
+    tile = head * stride_sh + p[:, None] * stride_sp + n[None, :] * stride_sn
+    tile_in = p_in[:, None] & n_in[None, :]
+    # Row flags are kept as [BP] vectors (p * 0 + scalar): masks stay vector-shaped.
+    live = (p * 0 + src) >= 0
+    state = tl.load(state_ptr + tl.maximum(src, 0).to(tl.int64) * stride_slot + tile,
+                    mask=tile_in & live[:, None], other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + head).to(tl.float32)
+    d_skip = tl.load(d_ptr + head).to(tl.float32)
+    for j in range(width):
+        dst = tl.load(dst_ptr + j * stride_dst_w + row)
+        live = live & ((p * 0 + dst) >= 0)  # a padding position ends the row
+        x = tl.load(x_ptr + row * stride_xb + j * stride_xw + head * stride_xh + p * stride_xp, mask=p_in & live,
+                    other=0.0).to(tl.float32)
+        dt = tl.load(dt_ptr + row * stride_dtb + j * stride_dtw + head * stride_dth).to(tl.float32)
+        if HAS_DT_BIAS:
+            dt = _softplus(dt + tl.load(dt_bias_ptr + head).to(tl.float32))
+        b = tl.load(b_ptr + row * stride_bb + j * stride_bw + group * stride_bg + n * stride_bn, mask=n_in,
+                    other=0.0).to(tl.float32)
+        c = tl.load(c_ptr + row * stride_cb + j * stride_cw + group * stride_cg + n * stride_cn, mask=n_in,
+                    other=0.0).to(tl.float32)
+        state = state * tl.exp(dt * a) + (dt * x)[:, None] * b[None, :]
+        tl.store(state_ptr + tl.maximum(dst, 0).to(tl.int64) * stride_slot + tile,
+                 state.to(state_ptr.dtype.element_ty), mask=tile_in & live[:, None])
+        y = tl.sum(state * c[None, :], axis=1) + d_skip * x
+        y = tl.where(live, y, 0.0)
+        tl.store(y_ptr + row * stride_yb + j * stride_yw + head * stride_yh + p * stride_yp,
+                 y.to(y_ptr.dtype.element_ty), mask=p_in)
+
+
+def ssm_state_verify(
+    ssm_states: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+    dt_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Verify rows: `width` tokens per row through the single-token update, one kernel: the
+    state is read once from the row's src slot and written after every position j to
+    dst_slots[j] ([W, B], -1: padding position, output zeros). x: [B, W, H, P]; dt:
+    [B, W, H] (raw with `dt_bias`); B, C: [B, W, G, N]. Returns y: [B, W, H, P]."""
+    batch, width, heads, head_dim = x.shape
+    state_size = ssm_states.shape[-1]
+    y = torch.empty((batch, width, heads, head_dim), dtype=x.dtype, device=x.device)
+    if batch == 0:
+        return y
+    bp = min(16, triton.next_power_of_2(head_dim))
+    grid = (batch, heads, triton.cdiv(head_dim, bp))
+    _ssm_verify_kernel[grid](
+        ssm_states, x, dt, dt if dt_bias is None else dt_bias, A, B, C, D, y, src_slots, dst_slots,
+        width, head_dim, state_size, heads // B.shape[2],
+        *ssm_states.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *y.stride(), dst_slots.stride(0),
+        BP=bp, BN=triton.next_power_of_2(state_size), HAS_DT_BIAS=dt_bias is not None, num_warps=4,
+    )
+    return y

@@ -1,0 +1,82 @@
+"""The fused verify-row ops (speculative decoding) on the GPU: every position's state and
+output equal (torch.equal) what the single-token Triton updates write when chained
+position by position, and match the reference ops; padding rows and positions touch
+nothing; a dst slot may be the row's own src slot (serial rings).
+
+Run on a GPU: `python -m pytest tests/kernels/test_verify_ops.py -m gpu -q`."""
+import pytest
+import torch
+
+from layers.kernels import reference
+from layers.kernels.reference.conv1d import run_verify_positions
+
+triton_conv = pytest.importorskip("layers.kernels.triton.conv1d", reason="needs Triton")
+triton_ssm = pytest.importorskip("layers.kernels.triton.ssm_update", reason="needs Triton")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+ROWS, WIDTH, HEADS, HEAD_DIM, GROUPS, STATE, CONV_K = 5, 5, 8, 16, 2, 16, 4
+SLOTS = 40
+
+
+def _slots(in_place: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row i starts from slot i; its positions write slots 10+5i.. (row 0 writes its own
+    src at position 0 when `in_place`); row 1 has 2 real positions, row 3 is padding."""
+    src = torch.arange(ROWS)
+    dst = torch.stack([10 + 5 * i + torch.arange(WIDTH) for i in range(ROWS)])  # [rows, width]
+    if in_place:
+        dst[0, 0] = 0
+    dst[1, 2:] = -1
+    src[3] = -1
+    dst[3] = -1
+    return src.cuda(), dst.T.contiguous().cuda()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_ssm_state_verify(dtype, in_place):
+    torch.manual_seed(0)
+    src, dst = _slots(in_place)
+    x = torch.randn(ROWS, WIDTH, HEADS, HEAD_DIM, device="cuda", dtype=dtype)
+    dt = torch.randn(ROWS, WIDTH, HEADS, device="cuda", dtype=dtype)
+    b = torch.randn(ROWS, WIDTH, GROUPS, STATE, device="cuda", dtype=dtype)
+    c = torch.randn(ROWS, WIDTH, GROUPS, STATE, device="cuda", dtype=dtype)
+    a, d, dt_bias = -torch.rand(HEADS, device="cuda"), torch.randn(HEADS, device="cuda"), torch.randn(HEADS, device="cuda")
+    pool = torch.randn(SLOTS, HEADS, HEAD_DIM, STATE, device="cuda")
+    fused, chained, ref = pool.clone(), pool.clone(), pool.clone()
+    y = triton_ssm.ssm_state_verify(fused, x, dt, a, b, c, d, src, dst, dt_bias)
+    y_chained = torch.stack(run_verify_positions(src, dst, lambda j, s, t: triton_ssm.ssm_state_update(
+        chained, x[:, j], dt[:, j], a, b[:, j], c[:, j], d, s, t, dt_bias)), dim=1)
+    y_ref = reference.ssm_state_verify(ref, x, dt, a, b, c, d, src, dst, dt_bias)
+    assert torch.equal(fused, chained) and torch.equal(y, y_chained)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fused, ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(y.float(), y_ref.float(), atol=tol, rtol=tol)
+    written = set(dst[dst >= 0].tolist())
+    untouched = [s for s in range(SLOTS) if s not in written]
+    assert torch.equal(fused[untouched], pool[untouched])
+    assert not y[3].any() and not y[1, 2:].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_causal_conv1d_verify(dtype, in_place):
+    torch.manual_seed(1)
+    src, dst = _slots(in_place)
+    dim = 200  # not a multiple of the channel block
+    x = torch.randn(ROWS, WIDTH, dim + 7, device="cuda", dtype=dtype)[..., :dim]  # strided rows
+    weight = torch.randn(dim, CONV_K, device="cuda", dtype=dtype)
+    bias = torch.randn(dim, device="cuda", dtype=dtype)
+    pool = torch.randn(SLOTS, dim, CONV_K - 1, device="cuda", dtype=dtype)
+    fused, chained, ref = pool.clone(), pool.clone(), pool.clone()
+    y = triton_conv.causal_conv1d_verify(x, weight, bias, fused, src, dst)
+    y_chained = torch.stack(run_verify_positions(src, dst, lambda j, s, t: triton_conv.causal_conv1d_update(
+        x[:, j], weight, bias, chained, s, t)), dim=1)
+    y_ref = reference.causal_conv1d_verify(x, weight, bias, ref, src, dst)
+    assert torch.equal(fused, chained) and torch.equal(y, y_chained)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fused, ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(y.float(), y_ref.float(), atol=tol, rtol=tol)
+    written = set(dst[dst >= 0].tolist())
+    untouched = [s for s in range(SLOTS) if s not in written]
+    assert torch.equal(fused[untouched], pool[untouched])
+    assert not y[3].any() and not y[1, 2:].any()
