@@ -12,7 +12,9 @@ from hybrid_engine.server.async_llm import AsyncLLM
 from hybrid_engine.server.chat import ChatHandler
 from hybrid_engine.server.completions import CompletionsHandler
 from hybrid_engine.server.errors import install_error_handlers
+from hybrid_engine.server.limits import BodySizeLimit, ServerLimits
 from hybrid_engine.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from hybrid_engine.server.serving import TokenizerThread, TokenTexts
 
 # nginx's "client closed request": logged, never seen by the (gone) client.
 CLIENT_CLOSED_REQUEST = 499
@@ -47,21 +49,27 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> R
     return task.result()
 
 
-def build_app(llm: AsyncLLM, served_model_name: str | None = None) -> FastAPI:
-    """The OpenAI-compatible app over `llm`; the app's shutdown stops the engine thread."""
+def build_app(llm: AsyncLLM, served_model_name: str | None = None, limits: ServerLimits = ServerLimits()) -> FastAPI:
+    """The OpenAI-compatible app over `llm`, refusing bodies over `limits.max_request_body_bytes`
+    (the connection limits are uvicorn's: `connections.uvicorn_config`); the app's shutdown
+    stops the engine thread."""
     model_name = served_model_name or llm.info.model_name
+    tokenizer_thread = TokenizerThread()
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
         # Runs after uvicorn drained (or cancelled) the open requests: abort what is
         # left in the engine and stop its thread, off the event loop.
+        tokenizer_thread.close()
         await asyncio.to_thread(llm.shutdown)
 
     app = FastAPI(title="hybrid-engine OpenAI-compatible server", lifespan=lifespan)
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_body_bytes)
     install_error_handlers(app)
-    completions = CompletionsHandler(llm, model_name)
-    chat = ChatHandler(llm, model_name)
+    texts = TokenTexts(llm.info.tokenizer)
+    completions = CompletionsHandler(llm, model_name, tokenizer_thread, texts)
+    chat = ChatHandler(llm, model_name, tokenizer_thread, texts)
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:

@@ -64,7 +64,7 @@ class EngineInfo:
     """What the HTTP layer needs to know about the engine, read once at start-up."""
 
     model_name: str
-    tokenizer: Any | None  # the front end's own copy (see AsyncLLM._describe)
+    tokenizer: Any | None  # the front end's own copy, for its tokenizer thread only (see AsyncLLM._describe)
     limits: RequestLimits  # what a request must fit (the engine's own, `LLMEngine.limits`)
     max_num_seqs: int
     kv_block_size: int
@@ -276,8 +276,8 @@ class AsyncLLM:
     @staticmethod
     def _describe(engine: LLMEngine) -> EngineInfo:
         stats = engine.stats()
-        # The HTTP side tokenizes prompts and decodes logprob tokens on the event loop; a
-        # private copy keeps it from ever sharing the tokenizer object with the engine
+        # The HTTP side tokenizes prompts on its tokenizer thread (`serving.TokenizerThread`);
+        # a private copy keeps it from ever sharing the tokenizer object with the engine
         # thread (HF fast tokenizers can raise "Already borrowed" under concurrent use).
         tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
         cfg = engine.config

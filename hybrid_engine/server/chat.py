@@ -7,12 +7,13 @@ from starlette.responses import Response
 
 from hybrid_engine.prompts import encode_prompt
 from hybrid_engine.request import RequestOutput
+from hybrid_engine.sampling_params import SamplingParams
 from hybrid_engine.server.async_llm import Generation
 from hybrid_engine.server.errors import APIError, invalid_input
 from hybrid_engine.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                            ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatMessage,
                                            DeltaMessage, TokenLogprob, TopLogprob)
-from hybrid_engine.server.serving import OpenAIServing, logprob_rows, usage
+from hybrid_engine.server.serving import OpenAIServing, logprob_rows, render_off_loop, usage
 
 # Message texts stand in the rendered template as "<_MARK>n<_MARK>": a private-use character
 # no tokenizer vocabulary or client text is expected to use.
@@ -26,21 +27,27 @@ class ChatHandler(OpenAIServing):
     async def create(self, request: ChatCompletionRequest) -> Response:
         """Validate, run, and answer one chat completions request."""
         self.check_model(request.model)
-        prompt = self.prompt_ids(self._encode(request.messages), "messages")
-        max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-        params = self.sampling_params(request, len(prompt), request.requested_max_tokens, max_param,
-                                      request.num_logprobs)
+        prompt, params = await self.tokenizer_thread.run(self._engine_input, request)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         generation = await self.submit(request_id, [(prompt, params)])
         if request.stream:
             return self.stream(generation, self._chunks(request, request_id, generation))
         (out,) = await self.collect(generation, 1)
+        return await render_off_loop(lambda: self._response(request, request_id, out))
+
+    def _engine_input(self, request: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+        """The rendered prompt's token ids and the params, checked (on the tokenizer thread)."""
+        prompt = self.prompt_ids(self._encode(request.messages), "messages")
+        max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        return prompt, self.sampling_params(request, len(prompt), request.requested_max_tokens, max_param,
+                                            request.num_logprobs)
+
+    def _response(self, request: ChatCompletionRequest, request_id: str, out: RequestOutput) -> ChatCompletionResponse:
         choice = ChatChoice(index=0, message=AssistantMessage(content=out.text or ""),
                             logprobs=self._logprobs(request, out, new_only=False), finish_reason=out.finish_reason,
                             stop_reason=out.stop_reason)
-        response = ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=[choice],
-                                          usage=usage(len(out.prompt_token_ids), len(out.output_token_ids)))
-        return Response(response.model_dump_json(), media_type="application/json")
+        return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=[choice],
+                                      usage=usage(len(out.prompt_token_ids), len(out.output_token_ids)))
 
     def _encode(self, messages: list[ChatMessage]) -> list[int]:
         """The prompt's token ids: the chat template rendered with the assistant prefix.
@@ -120,4 +127,5 @@ class ChatHandler(OpenAIServing):
         ])
 
     def _entry(self, token_id: int, logprob: float) -> dict:
-        return {"token": self.token_text(token_id), "logprob": logprob, "bytes": list(self.token_bytes(token_id))}
+        return {"token": self.texts.token_text(token_id), "logprob": logprob,
+                "bytes": list(self.texts.token_bytes(token_id))}

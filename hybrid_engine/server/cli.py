@@ -15,6 +15,8 @@ from hybrid_engine.config import DTYPES, EngineConfig
 from hybrid_engine.engine import LLMEngine
 from hybrid_engine.server.api import build_app
 from hybrid_engine.server.async_llm import AsyncLLM
+from hybrid_engine.server.connections import quiet_connection_logs, uvicorn_config
+from hybrid_engine.server.limits import ServerLimits
 
 logger = logging.getLogger("hybrid_engine.server")
 
@@ -48,6 +50,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="prompts one completions request may bring (more is a 400; default: --max-num-seqs)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT before they are aborted")
+    defaults = ServerLimits()
+    p.add_argument("--max-request-body-bytes", type=int, default=defaults.max_request_body_bytes,
+                   help="larger request bodies are answered 413 before they are read (default: 8 MiB)")
+    p.add_argument("--max-connections", type=int, default=defaults.max_connections,
+                   help="requests on connections beyond this many open ones are answered 503")
+    p.add_argument("--timeout-keep-alive", type=float, default=defaults.timeout_keep_alive,
+                   help="seconds an idle keep-alive connection stays open")
+    p.add_argument("--request-read-timeout", type=float, default=defaults.request_read_timeout,
+                   help="seconds a request's head and body have to arrive in full before the connection is closed")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     args = p.parse_args(argv)
     if args.max_waiting_requests < 0:
@@ -56,6 +67,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--max-prompts-per-request must be >= 1")
     if not (math.isfinite(args.shutdown_timeout) and args.shutdown_timeout >= 0):
         p.error(f"--shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}")
+    try:
+        args.limits = ServerLimits(max_request_body_bytes=args.max_request_body_bytes,
+                                   max_connections=args.max_connections, timeout_keep_alive=args.timeout_keep_alive,
+                                   request_read_timeout=args.request_read_timeout)
+    except ValueError as exc:
+        p.error(str(exc))
     return args
 
 
@@ -160,8 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     # that re-raise a clean exit 0 instead of a kill.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    config = uvicorn.Config(build_app(llm, served), host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout + _ABORT_GRACE_S)
+    config = uvicorn_config(build_app(llm, served, args.limits), args.limits, host=args.host, port=args.port,
+                            log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout + _ABORT_GRACE_S)
+    quiet_connection_logs()
     server = _DrainingServer(config, llm, abort_after=args.shutdown_timeout)
     try:
         server.run(sockets=sockets)

@@ -5,10 +5,11 @@ from typing import AsyncIterator
 from starlette.responses import Response
 
 from hybrid_engine.request import RequestOutput
+from hybrid_engine.sampling_params import SamplingParams
 from hybrid_engine.server.async_llm import Generation
 from hybrid_engine.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                                             UsageInfo)
-from hybrid_engine.server.serving import OpenAIServing, logprob_rows, usage
+from hybrid_engine.server.serving import OpenAIServing, logprob_rows, render_off_loop, usage
 
 
 class CompletionsHandler(OpenAIServing):
@@ -18,22 +19,29 @@ class CompletionsHandler(OpenAIServing):
         """Validate, run, and answer one completions request."""
         self.check_model(request.model)
         self.check_num_prompts(len(request.prompt))
-        prompts = [self.prompt_ids(p, "prompt") for p in request.prompt]
-        requests = [(ids, self.sampling_params(request, len(ids), request.max_tokens, "max_tokens", request.logprobs))
-                    for ids in prompts]
+        requests = await self.tokenizer_thread.run(self._engine_inputs, request)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         generation = await self.submit(request_id, requests)
         if request.stream:
             return self.stream(generation, self._chunks(request, request_id, generation))
         finals = await self.collect(generation, len(requests))
+        return await render_off_loop(lambda: self._response(request, request_id, finals))
+
+    def _engine_inputs(self, request: CompletionRequest) -> list[tuple[list[int], SamplingParams]]:
+        """(prompt token ids, params) per prompt, checked (on the tokenizer thread)."""
+        prompts = [self.prompt_ids(p, "prompt") for p in request.prompt]
+        return [(ids, self.sampling_params(request, len(ids), request.max_tokens, "max_tokens", request.logprobs))
+                for ids in prompts]
+
+    def _response(self, request: CompletionRequest, request_id: str,
+                  finals: list[RequestOutput]) -> CompletionResponse:
         choices = [
             CompletionChoice(index=i, text=out.text or "", logprobs=self._logprobs(request, out, 0, new_only=False)[0],
                              finish_reason=out.finish_reason, stop_reason=out.stop_reason)
             for i, out in enumerate(finals)
         ]
-        response = CompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
-                                      usage=self._usage(finals))
-        return Response(response.model_dump_json(), media_type="application/json")
+        return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
+                                  usage=self._usage(finals))
 
     async def _chunks(self, request: CompletionRequest, request_id: str,
                       generation: Generation) -> AsyncIterator[CompletionResponse]:
@@ -59,10 +67,10 @@ class CompletionsHandler(OpenAIServing):
             return None, text_offset
         result = CompletionLogprobs()
         for token, logprob, top in logprob_rows(out, request.logprobs, new_only):
-            text = self.token_text(token)
+            text = self.texts.token_text(token)
             result.tokens.append(text)
             result.token_logprobs.append(logprob)
-            result.top_logprobs.append(self.top_logprobs_by_text(top))
+            result.top_logprobs.append(self.texts.top_logprobs_by_text(top))
             result.text_offset.append(text_offset)
             text_offset += len(text)
         return result, text_offset

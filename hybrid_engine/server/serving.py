@@ -1,20 +1,29 @@
 """What both endpoints share: model check, prompt checks, output budget, submission,
 logprob rows, and the two response modes (collect everything, or stream SSE).
 
-A validated request becomes engine inputs here: prompts are tokenized on the event loop
-(with the front end's own tokenizer copy) and checked with the engine's own checks
-(`hybrid_engine.prompts`, `SamplingParams`), so that every "bad request" answer -- empty,
-out-of-vocabulary id, too long, out of range -- is a 400 naming the field, decided
-before anything is queued.
+A validated request becomes engine inputs here: prompts are tokenized on the tokenizer
+thread (`TokenizerThread`, with the front end's own tokenizer copy) and checked with the
+engine's own checks (`hybrid_engine.prompts`, `SamplingParams`), so that every "bad
+request" answer -- empty, out-of-vocabulary id, too long, out of range -- is a 400 naming
+the field, decided before anything is queued.
+
+What can take long stays off the event loop, so /health and other clients' streams never
+wait on one big request: tokenizing (seconds for a prompt of megabytes) runs on the
+tokenizer thread, building a non-streamed response (tens of MB with logprobs) on a worker
+thread (`render_off_loop`).
 """
+import asyncio
+import concurrent.futures
+import copy
 import json
 import logging
 import math
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from pydantic import BaseModel
+from pydantic_core import to_json
 from starlette.background import BackgroundTask
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from hybrid_engine.detokenizer import REPLACEMENT_CHAR
 from hybrid_engine.prompts import check_max_tokens, check_params, check_prompt, encode_prompt
@@ -22,7 +31,7 @@ from hybrid_engine.request import RequestOutput
 from hybrid_engine.sampling_params import SamplingParams
 from hybrid_engine.server.async_llm import AsyncLLM, EngineUnavailable, Generation, QueueFull, RequestFailed
 from hybrid_engine.server.errors import RATE_LIMIT, SERVER_ERROR, APIError, invalid_input
-from hybrid_engine.server.protocol import SamplingRequest, UsageInfo
+from hybrid_engine.server.protocol import ChatCompletionResponse, CompletionResponse, SamplingRequest, UsageInfo
 from hybrid_engine.tokenizer import TokenBytes
 
 logger = logging.getLogger(__name__)
@@ -33,6 +42,7 @@ RETRY_AFTER_S = "1"
 
 # (token id, its logprob, [(alternative id, logprob), ...] most likely first)
 LogprobRow = tuple[int, float, list[tuple[int, float]]]
+T = TypeVar("T")
 
 
 def _finite(logprob: float) -> float:
@@ -65,15 +75,109 @@ def _sse(payload: BaseModel | dict) -> str:
     return f"data: {data}\n\n"
 
 
-class OpenAIServing:
-    """Base of the endpoint handlers: turns requests into engine inputs, outputs into responses."""
+class TokenizerThread:
+    """The one thread on which the HTTP server tokenizes prompts and renders chat templates,
+    with the tokenizer copy in `EngineInfo.tokenizer`, which nothing else uses.
 
-    def __init__(self, llm: AsyncLLM, served_model_name: str):
+    Off the event loop, so that a prompt of megabytes (seconds to encode) stalls no one
+    else; one thread, because encoding can change the tokenizer (transformers sets the Rust
+    tokenizer's `encode_special_tokens` per call), which must not happen while another
+    thread uses it. Work still queued when its client hangs up is dropped.
+    """
+
+    def __init__(self) -> None:
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def close(self) -> None:
+        """Stop the thread (queued work is dropped)."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class TokenTexts:
+    """The texts and bytes logprobs show for token ids, from a tokenizer copy of its own.
+
+    Used from the event loop (streams) and from response-building threads at once: it only
+    decodes (`decode`, `convert_ids_to_tokens` only read the Rust tokenizer), and it never
+    shares a tokenizer with the tokenizer thread, whose encoding writes to its copy.
+    """
+
+    def __init__(self, tokenizer: Any | None):
+        self._tokenizer = None if tokenizer is None else copy.deepcopy(tokenizer)
+        # Looked up once: logprobs ask for every generated token and its 20 alternatives, so
+        # a big response asks for the same few thousand tokens a million times (a decode is
+        # ~2 us, a dict hit ~50 ns). At most one entry per vocabulary id.
+        self._num_known = 0 if tokenizer is None else len(self._tokenizer)
+        self._bytes = None if tokenizer is None else TokenBytes(self._tokenizer)
+        self._texts: dict[int, str] = {}
+        self._byte_strings: dict[int, bytes] = {}
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text for logprobs (`token_id:N` when the model has no tokenizer, as vLLM;
+        "" for an id of the model's padded vocabulary that the tokenizer does not have)."""
+        text = self._texts.get(token_id)
+        if text is None:
+            if self._tokenizer is None:
+                text = f"token_id:{token_id}"
+            else:
+                text = "" if token_id >= self._num_known else self._tokenizer.decode([token_id])
+            self._texts[token_id] = text
+        return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (part of a character included), for logprobs."""
+        raw = self._byte_strings.get(token_id)
+        if raw is None:
+            raw = self.token_text(token_id).encode("utf-8") if self._bytes is None else self._bytes(token_id)
+            self._byte_strings[token_id] = raw
+        return raw
+
+    def top_logprobs_by_text(self, top: list[tuple[int, float]]) -> dict[str, float]:
+        """Alternatives keyed by token text, one entry per token: a token whose text is not
+        whole characters (U+FFFD) or already taken by another token is keyed by its bytes,
+        "bytes:\\xe2\\x80", and failing that by "token_id:N"."""
+        entries: dict[str, float] = {}
+        for token_id, logprob in top:
+            key = self.token_text(token_id)
+            if key in entries or REPLACEMENT_CHAR in key:
+                key = "bytes:" + "".join(f"\\x{b:02x}" for b in self.token_bytes(token_id))
+            if key in entries:
+                key = f"token_id:{token_id}"
+            entries[key] = logprob
+        return entries
+
+
+def _json_choice_by_choice(response: CompletionResponse | ChatCompletionResponse) -> bytes:
+    """The response as JSON, serialized one choice at a time: pydantic holds the GIL through a
+    whole dump (~5 ms per MB), and with it the event loop and the engine thread; between
+    choices they get their turn. (Quotes inside JSON strings are escaped, so the empty
+    `"choices":[]` can only be the key.)"""
+    head, tail = to_json(response.model_copy(update={"choices": []})).split(b'"choices":[]', 1)
+    return b"".join((head, b'"choices":[', b",".join(map(to_json, response.choices)), b"]", tail))
+
+
+async def render_off_loop(build: Callable[[], CompletionResponse | ChatCompletionResponse]) -> Response:
+    """A non-streamed JSON response, built and serialized on a worker thread: with logprobs
+    it can run to tens of MB, which on the event loop would stall every other client."""
+
+    def render() -> Response:
+        return Response(_json_choice_by_choice(build()), media_type="application/json")
+
+    return await asyncio.to_thread(render)
+
+
+class OpenAIServing:
+    """Base of the endpoint handlers: turns requests into engine inputs, outputs into responses.
+
+    `prompt_ids`, `sampling_params` (and what calls them) run on `tokenizer_thread`."""
+
+    def __init__(self, llm: AsyncLLM, served_model_name: str, tokenizer_thread: TokenizerThread,
+                 texts: TokenTexts):
         self.llm, self.info, self.served_model_name = llm, llm.info, served_model_name
-        tokenizer = self.info.tokenizer
-        # Looked up once: logprobs ask for every generated token and its alternatives.
-        self._num_known_tokens = 0 if tokenizer is None else len(tokenizer)
-        self._token_bytes = None if tokenizer is None else TokenBytes(tokenizer)
+        self.tokenizer_thread, self.texts = tokenizer_thread, texts
 
     # ---- request checks ----------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -107,36 +211,6 @@ class OpenAIServing:
         except ValueError as exc:
             raise invalid_input(exc) from exc
         return params
-
-    def token_text(self, token_id: int) -> str:
-        """A token's text for logprobs (`token_id:N` when the model has no tokenizer, as vLLM;
-        "" for an id of the model's padded vocabulary that the tokenizer does not have)."""
-        tokenizer = self.info.tokenizer
-        if tokenizer is None:
-            return f"token_id:{token_id}"
-        if token_id >= self._num_known_tokens:
-            return ""
-        return tokenizer.decode([token_id])
-
-    def token_bytes(self, token_id: int) -> bytes:
-        """The bytes a token stands for (part of a character included), for logprobs."""
-        if self._token_bytes is None:
-            return self.token_text(token_id).encode("utf-8")
-        return self._token_bytes(token_id)
-
-    def top_logprobs_by_text(self, top: list[tuple[int, float]]) -> dict[str, float]:
-        """Alternatives keyed by token text, one entry per token: a token whose text is not
-        whole characters (U+FFFD) or already taken by another token is keyed by its bytes,
-        "bytes:\\xe2\\x80", and failing that by "token_id:N"."""
-        entries: dict[str, float] = {}
-        for token_id, logprob in top:
-            key = self.token_text(token_id)
-            if key in entries or REPLACEMENT_CHAR in key:
-                key = "bytes:" + "".join(f"\\x{b:02x}" for b in self.token_bytes(token_id))
-            if key in entries:
-                key = f"token_id:{token_id}"
-            entries[key] = logprob
-        return entries
 
     # ---- running -----------------------------------------------------------------------
     def check_num_prompts(self, num_prompts: int) -> None:

@@ -5,7 +5,9 @@ engine plus switches the tests flip to inject failures; `start_subprocess_server
 runs `scripts/serve_hybrid.py` itself (CLI, signals, exit code).
 """
 import contextlib
+import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -15,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 import httpx
 import pytest
@@ -26,6 +28,8 @@ from hybrid_engine.config import EngineConfig
 from hybrid_engine.engine import LLMEngine
 from hybrid_engine.server.api import build_app
 from hybrid_engine.server.async_llm import AsyncLLM
+from hybrid_engine.server.connections import uvicorn_config
+from hybrid_engine.server.limits import ServerLimits
 
 REPO = Path(__file__).resolve().parents[2]
 SERVE_SCRIPT = REPO / "scripts" / "serve_hybrid.py"
@@ -92,6 +96,66 @@ class Server:
         assert r.json()["usage"]["completion_tokens"] >= 1
 
 
+@dataclass
+class RawResponse:
+    """An HTTP response read off a raw socket (`read_response`)."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    interim: list[int]  # statuses of the 1xx responses before it
+
+    def json(self) -> dict:
+        """The body as JSON."""
+        return json.loads(self.body)
+
+
+def raw_connect(url: str, timeout: float = 30.0) -> socket.socket:
+    """A TCP connection to the server at `url` (reads time out after `timeout` seconds)."""
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=timeout)
+
+
+def request_head(method: str, path: str, **headers: str) -> bytes:
+    """An HTTP/1.1 request line and headers (`content_length="5"` -> "content-length: 5")."""
+    lines = [f"{method} {path} HTTP/1.1", "host: test"] + [f"{k.replace('_', '-')}: {v}" for k, v in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def json_request(path: str, body: dict) -> bytes:
+    """A complete POST of `body` as JSON."""
+    data = json.dumps(body).encode()
+    return request_head("POST", path, content_type="application/json", content_length=str(len(data))) + data
+
+
+def read_response(sock: socket.socket) -> RawResponse:
+    """Read one response (skipping 1xx ones) with a Content-Length, chunked, or up to EOF body."""
+    f = sock.makefile("rb")
+    interim: list[int] = []
+    while True:
+        status_line = f.readline()
+        assert status_line.startswith(b"HTTP/1.1 "), status_line
+        status = int(status_line.split()[1])
+        headers = {}
+        while (line := f.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        if status >= 200:
+            break
+        interim.append(status)
+    if "content-length" in headers:
+        body = f.read(int(headers["content-length"]))
+    elif headers.get("transfer-encoding") == "chunked":
+        body = b""
+        while (size := int(f.readline().split(b";")[0], 16)) > 0:
+            body += f.read(size)
+            f.readline()
+        f.readline()
+    else:
+        body = f.read()
+    return RawResponse(status, headers, body, interim)
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
     """Poll `predicate` until true; fail the test after `timeout` seconds."""
     deadline = time.monotonic() + timeout
@@ -109,8 +173,10 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_in_thread(engine_factory: Callable[[], LLMEngine], max_waiting_requests: int = 256) -> Iterator[Server]:
-    """A uvicorn server for `build_app` in a background thread, on a socket bound up front."""
+def serve_in_thread(engine_factory: Callable[[], LLMEngine], max_waiting_requests: int = 256,
+                    limits: ServerLimits = ServerLimits()) -> Iterator[Server]:
+    """A uvicorn server for `build_app` in a background thread, on a socket bound up front,
+    configured as the CLI configures it (`uvicorn_config`)."""
     engines: list[LLMEngine] = []
 
     def build() -> LLMEngine:  # runs on the engine thread; keep a handle for the switches
@@ -121,7 +187,8 @@ def serve_in_thread(engine_factory: Callable[[], LLMEngine], max_waiting_request
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(build_app(llm), log_level="warning", timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn_config(build_app(llm, limits=limits), limits, log_level="warning",
+                                           timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     wait_until(lambda: server.started, what="the test server to start")
@@ -152,16 +219,22 @@ def engine_switches(server: Server) -> Iterator[FaultyEngine]:
 
 
 @contextlib.contextmanager
-def start_subprocess_server(*flags: str) -> Iterator[tuple[str, subprocess.Popen]]:
+def start_subprocess_server(*flags: str, log: BinaryIO | None = None,
+                            open_files: int | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
     """`scripts/serve_hybrid.py` in a child process; yields (base url, process) once healthy.
 
-    Afterwards the process is killed if still running (tests SIGTERM it themselves).
+    Its stdout and stderr go to `log` (a binary file) if given; `open_files` sets its limit
+    on open files (soft and hard). Afterwards the process is killed if still running (tests
+    SIGTERM it themselves).
     """
     port = free_port()
-    log = tempfile.TemporaryFile()
+    own_log = log is None
+    log = tempfile.TemporaryFile() if log is None else log
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # 2 busy CPU cores: intra-op threads only contend
     proc = subprocess.Popen([sys.executable, str(SERVE_SCRIPT), "--host", "127.0.0.1", "--port", str(port),
                              "--log-level", "warning", *flags], stdout=log, stderr=subprocess.STDOUT, env=env)
+    if open_files is not None:  # long before the server reads it, after loading the model
+        resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (open_files, open_files))
     url = f"http://127.0.0.1:{port}"
 
     def up() -> bool:
@@ -179,4 +252,5 @@ def start_subprocess_server(*flags: str) -> Iterator[tuple[str, subprocess.Popen
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
-        log.close()
+        if own_log:
+            log.close()

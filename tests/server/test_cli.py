@@ -73,3 +73,22 @@ def test_shutdown_timeout_must_be_finite_and_non_negative(value, capsys):
     assert exit_info.value.code == 2
     assert "--shutdown-timeout must be a finite number of seconds >= 0" in capsys.readouterr().err
     assert parse_args(["--shutdown-timeout", "0"]).shutdown_timeout == 0.0
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--max-request-body-bytes", "0", "--max-request-body-bytes must be an integer >= 1, got 0"),
+    ("--max-connections", "-3", "--max-connections must be an integer >= 1, got -3"),
+    ("--timeout-keep-alive", "0", "--timeout-keep-alive must be a finite number of seconds > 0, got 0.0"),
+    ("--request-read-timeout", "nan", "--request-read-timeout must be a finite number of seconds > 0, got nan"),
+])
+def test_server_limits_must_be_positive(flag, value, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args([flag, value])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_server_limit_defaults():
+    limits = parse_args([]).limits
+    assert (limits.max_request_body_bytes, limits.max_connections, limits.timeout_keep_alive,
+            limits.request_read_timeout) == (8 * 1024 * 1024, 2048, 5.0, 30.0)
