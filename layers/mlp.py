@@ -15,6 +15,13 @@ class Relu2MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(torch.square(F.relu(self.up_proj(x))))
 
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(up, down) weights for running this MLP as the shared expert inside the fused MoE
+        op (`moe_experts`' shared_up / shared_down), or None when it has biases (the op has none)."""
+        if self.up_proj.bias is not None or self.down_proj.bias is not None:
+            return None
+        return self.up_proj.weight, self.down_proj.weight
+
 
 class SwiGLUMLP(nn.Module):
     """output(silu(gate) * up) with gate and up fused in one `input_linear` (Granite)."""
@@ -27,3 +34,8 @@ class SwiGLUMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.input_linear(x).chunk(2, dim=-1)
         return self.output_linear(F.silu(gate) * up)
+
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate+up, down) weights for running this MLP as the shared expert inside the fused
+        MoE op (`moe_experts`' shared_up / shared_down)."""
+        return self.input_linear.weight, self.output_linear.weight

@@ -1,10 +1,17 @@
 """Mixture-of-experts blocks: NemotronH's (sigmoid, grouped top-k, relu^2 experts, shared
-expert, optional latent projections) and Granite's (softmax top-k, SwiGLU experts)."""
+expert, optional latent projections) and Granite's (softmax top-k, SwiGLU experts).
+
+Each block is the router GEMM, the router op and one `moe_experts` call that also runs the
+shared expert when it can (no latent projections, no biases): on the GPU six kernels per
+layer (`layers/kernels/triton/moe.py`). The blocks feed the ops their inputs as they are
+(bf16 logits, float32 routing weights); the ops do the casts the reference makes.
+"""
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from layers.kernels.ops import KernelOps
-from layers.mlp import Relu2MLP
+from layers.mlp import Relu2MLP, SwiGLUMLP
 
 
 class _Router(nn.Module):
@@ -13,6 +20,14 @@ class _Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
         if correction_bias:
             self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+
+    def float32_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight^T with float32 products and sums (transformers casts both operands to
+        float32). On CUDA, half-precision operands go into one float32-output GEMM instead:
+        the same exact products, without two cast kernels."""
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and self.weight.dtype == x.dtype:
+            return torch.mm(x, self.weight.t(), out_dtype=torch.float32)
+        return F.linear(x.float(), self.weight.float())
 
 
 class _StackedExperts(nn.Module):
@@ -64,13 +79,17 @@ class NemotronHMoE(nn.Module):
         self.shared_experts = Relu2MLP(hidden_size, shared_intermediate_size, bias=bias)
         self.fc1_latent_proj = nn.Linear(hidden_size, latent_size, bias=bias) if latent_size else nn.Identity()
         self.fc2_latent_proj = nn.Linear(latent_size, hidden_size, bias=bias) if latent_size else nn.Identity()
+        # The shared expert joins the routed ones in `moe_experts` when both see the same input.
+        self.shared_in_experts = latent_size is None and not bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = torch.nn.functional.linear(x.float(), self.gate.weight.float())
         weights, ids = self.ops.route_sigmoid_grouped(
-            logits, self.gate.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
-            self.norm_topk_prob, self.routed_scaling_factor,
+            self.gate.float32_logits(x), self.gate.e_score_correction_bias, self.top_k, self.n_group,
+            self.topk_group, self.norm_topk_prob, self.routed_scaling_factor,
         )
+        if self.shared_in_experts:
+            return self.ops.moe_experts(x, self.experts.up, self.experts.down, weights, ids, "relu2",
+                                        *self.shared_experts.expert_weights())
         routed = self.ops.moe_experts(self.fc1_latent_proj(x), self.experts.up, self.experts.down, weights, ids,
                                       "relu2")
         return self.fc2_latent_proj(routed) + self.shared_experts(x)
@@ -90,8 +109,11 @@ class GraniteMoE(nn.Module):
         self.output_linear = nn.Module()
         self.output_linear.weight = nn.Parameter(torch.zeros(num_experts, hidden_size, intermediate_size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.ops.route_softmax_topk(self.router.layer(x).float(), self.top_k)
-        # transformers casts the routing weights to the activation dtype before use.
-        weights = weights.to(x.dtype)
-        return self.ops.moe_experts(x, self.input_linear.weight, self.output_linear.weight, weights, ids, "swiglu")
+    def forward(self, x: torch.Tensor, shared: SwiGLUMLP | None = None) -> torch.Tensor:
+        """The routed experts' sum, plus the block's `shared` MLP when given (computed in the
+        same kernels)."""
+        # Logits stay in x's dtype (transformers rounds them there before routing in float32).
+        weights, ids = self.ops.route_softmax_topk(self.router.layer(x), self.top_k)
+        shared_weights = shared.expert_weights() if shared is not None else (None, None)
+        return self.ops.moe_experts(x, self.input_linear.weight, self.output_linear.weight, weights, ids, "swiglu",
+                                    *shared_weights)

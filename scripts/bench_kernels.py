@@ -1,6 +1,10 @@
 """Benchmark the fast GPU ops at nemotron-h-8b layer shapes (not a test).
 
     PYTHONUNBUFFERED=1 python scripts/bench_kernels.py --json bench_kernels.json
+    PYTHONUNBUFFERED=1 python scripts/bench_kernels.py --moe --json bench_moe.json
+
+`--moe` runs the MoE layer table instead (scripts/bench_moe.py: the fused path against the
+old one at the granite-4.0-h-tiny and nemotron-3-nano-30b-a3b shapes).
 
 Shapes: hidden 4096; Mamba-2 128 heads x 64, 8 groups, state 128, conv 4 (conv dim 10240);
 attention 32 q / 8 kv heads x 128, KV block 64; MoE (nemotron-h-8b has none) at the
@@ -169,13 +173,17 @@ def _moe_weights():
     return w_up, w_down
 
 
-def bench_moe(tokens: int, weights: tuple[torch.Tensor, torch.Tensor], grouped_mm: bool) -> Case:
+def bench_moe_experts(tokens: int, weights: tuple[torch.Tensor, torch.Tensor], fused: bool) -> Case:
+    """`moe_experts` (fused) or the sorted-dispatch torch._grouped_mm path it replaced."""
+    from bench_moe import sorted_grouped_mm_experts
+
     w_up, w_down = weights
     rot = 4
     x = torch.randn(tokens, MOE_H, device=DEV, dtype=BF16)
     ids = torch.rand(rot, tokens, MOE_E, device=DEV).argsort(dim=-1)[..., :MOE_K]
     topw = torch.softmax(torch.randn(tokens, MOE_K, device=DEV), dim=-1)
-    calls = [lambda r=r: moe.moe_experts_grouped(x, w_up, w_down, topw, ids[r], "relu2", grouped_mm) for r in range(rot)]
+    experts = moe.moe_experts if fused else sorted_grouped_mm_experts
+    calls = [lambda r=r: experts(x, w_up, w_down, topw, ids[r], "relu2") for r in range(rot)]
     touched = MOE_E * (1 - (1 - MOE_K / MOE_E) ** tokens)  # expected distinct experts per call
     moved = touched * 2 * MOE_I * MOE_H * 2 + 2 * x.numel() * 2
     return calls, moved, 2 * tokens * MOE_K * 2 * MOE_I * MOE_H
@@ -222,11 +230,19 @@ def bench_attention_prefill() -> Case:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", default="bench_kernels.json", help="where to write the rows as JSON")
+    parser.add_argument("--moe", action="store_true", help="the MoE layer table (scripts/bench_moe.py) instead")
     args = parser.parse_args()
     torch.manual_seed(0)
     copy_bw, mm_rate = ceilings()
     print(f"device: {torch.cuda.get_device_name()}  ceilings: copy {copy_bw / 1e9:.0f} GB/s, "
           f"bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s")
+    if args.moe:
+        import bench_moe
+
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": copy_bw / 1e9,
+                       "rows": bench_moe.run(copy_bw)}, f, indent=1)
+        return
     moe_w = _moe_weights()
     cases: list[tuple[str, str, Callable[[], Case]]] = []
     for batch in (1, 16, 64, 256):
@@ -238,8 +254,8 @@ def main() -> None:
             ("write_kv_cache", tag, lambda b=batch: bench_write_kv(b)),
             ("gated_rms_norm", tag, lambda b=batch: bench_gated_norm(b)),
             ("rms_norm", tag, lambda b=batch: bench_rms_norm(b)),
-            ("moe_experts (grouped_mm)", tag, lambda b=batch: bench_moe(b, moe_w, True)),
-            ("moe_experts (triton)", tag, lambda b=batch: bench_moe(b, moe_w, False)),
+            ("moe_experts (fused)", tag, lambda b=batch: bench_moe_experts(b, moe_w, True)),
+            ("moe_experts (old grouped_mm)", tag, lambda b=batch: bench_moe_experts(b, moe_w, False)),
         ]
     tag = f"prefill T={PREFILL}"
     cases += [
@@ -250,8 +266,8 @@ def main() -> None:
         ("write_kv_cache", tag, lambda: bench_write_kv(PREFILL)),
         ("gated_rms_norm", tag, lambda: bench_gated_norm(PREFILL)),
         ("rms_norm", tag, lambda: bench_rms_norm(PREFILL)),
-        ("moe_experts (grouped_mm)", tag, lambda: bench_moe(PREFILL, moe_w, True)),
-        ("moe_experts (triton)", tag, lambda: bench_moe(PREFILL, moe_w, False)),
+        ("moe_experts (fused)", tag, lambda: bench_moe_experts(PREFILL, moe_w, True)),
+        ("moe_experts (old grouped_mm)", tag, lambda: bench_moe_experts(PREFILL, moe_w, False)),
     ]
     rows = []
     for op, case, build in cases:

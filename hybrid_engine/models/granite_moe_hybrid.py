@@ -44,9 +44,10 @@ class GraniteBlock(nn.Module):
         mixer = self.mamba if self.kind == "mamba" else self.self_attn
         h = h + mixer(self.input_layernorm(h), meta) * self.residual_multiplier
         x = self.post_attention_layernorm(h)
-        ff = self.shared_mlp(x)
-        if self.block_sparse_moe is not None:
-            ff = self.block_sparse_moe(x) + ff
+        if self.block_sparse_moe is not None:  # the shared MLP runs inside the experts' kernels
+            ff = self.block_sparse_moe(x, shared=self.shared_mlp)
+        else:
+            ff = self.shared_mlp(x)
         return h + ff * self.residual_multiplier
 
 

@@ -5,13 +5,13 @@ from typing import Callable
 
 # Module under layers.kernels.triton -> the ops it implements. A family whose module fails
 # to import (Triton missing) keeps the reference ops, the others stay fast.
-# The MoE routers are not listed: the reference routers are already sync-free torch ops.
 FAMILIES: dict[str, tuple[str, ...]] = {
     "norm": ("rms_norm", "gated_rms_norm"),
     "conv1d": ("causal_conv1d_varlen", "causal_conv1d_update", "causal_conv1d_verify"),
     "ssd": ("ssd_chunk_scan_varlen",),
     "ssm_update": ("ssm_state_update", "ssm_state_verify"),
     "attention": ("write_kv_cache", "paged_attention"),
+    "moe_routing": ("route_sigmoid_grouped", "route_softmax_topk"),
     "moe": ("moe_experts",),
 }
 

@@ -95,18 +95,24 @@ class KernelOps(Protocol):
                               n_group: int, topk_group: int, norm_topk_prob: bool,
                               routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
         """NemotronH router: sigmoid scores, the correction bias steers the group-limited
-        top-k choice only. router_logits: [T, E] float32. Returns (weights [T, k] float32,
-        expert ids [T, k] int64)."""
+        top-k choice only (group score: the sum of a group's two best). router_logits: [T, E]
+        any float dtype, routed in float32. Returns (weights [T, k] float32, expert ids [T, k]
+        int64); the order of the k is the implementation's (the fast op: best first, ties to
+        the lowest expert index)."""
 
     def route_softmax_topk(self, router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Granite router: top-k of the logits, softmax over the chosen k. Returns (weights
-        [T, k] float32, expert ids [T, k] int64)."""
+        """Granite router: top-k of the logits (any float dtype, routed in float32), softmax
+        over the chosen k. Returns (weights [T, k] float32, expert ids [T, k] int64), best
+        first (the fast op breaks ties to the lowest expert index)."""
 
     def moe_experts(self, x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor, activation: str) -> torch.Tensor:
-        """sum_k w_k * down_e(act(up_e(x))) over each token's chosen experts. x: [T, H];
-        w_up: [E, I or 2I (swiglu: gate then up), H]; w_down: [E, H, I]; activation 'relu2'
-        or 'swiglu'. Accumulates in float32, returns x's dtype."""
+                    topk_ids: torch.Tensor, activation: str, shared_up: torch.Tensor | None = None,
+                    shared_down: torch.Tensor | None = None) -> torch.Tensor:
+        """sum_k w_k * down_e(act(up_e(x))) over each token's chosen experts, plus the shared
+        expert down_s(act(up_s(x))) (same activation, no biases) when its weights are given.
+        x: [T, H]; w_up: [E, I or 2I (swiglu: gate then up), H]; w_down: [E, H, I];
+        shared_up: [S or 2S, H]; shared_down: [H, S]; activation 'relu2' or 'swiglu'.
+        Accumulates in float32, returns x's dtype."""
 
 
 # Every op of the protocol, in definition order.

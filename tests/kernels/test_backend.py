@@ -13,8 +13,6 @@ import pytest
 from layers.kernels import KERNELS_ENV, OP_NAMES, REFERENCE_OPS, KernelOps, OpSet, reference, select_ops
 from layers.kernels import fast, ops as ops_module
 
-ROUTERS = {"route_sigmoid_grouped", "route_softmax_topk"}  # reference-only: already sync-free torch
-
 
 def _signature_text(func: ast.FunctionDef, drop_self: bool = False) -> list[tuple[str, str | None, str | None]]:
     """(name, annotation, default) of every parameter, as source text, then ('->', return)."""
@@ -61,10 +59,10 @@ def test_implementation_has_the_protocol_signature(op: str, path: str) -> None:
     assert _signature_text(_functions(path)[op]) == PROTOCOL[op]
 
 
-def test_fast_families_cover_every_op_but_the_routers() -> None:
+def test_fast_families_cover_every_op() -> None:
     offered = [op for op_names in fast.FAMILIES.values() for op in op_names]
     assert len(offered) == len(set(offered))
-    assert set(offered) == set(OP_NAMES) - ROUTERS
+    assert set(offered) == set(OP_NAMES)
 
 
 def test_reference_module_and_op_set_satisfy_the_protocol() -> None:
@@ -146,7 +144,7 @@ def test_fast_ops_import_with_the_protocol_signatures() -> None:
     (the source-level check above runs everywhere; this one also evaluates annotations)."""
     pytest.importorskip("triton", reason="Triton is not installed (CPU CI): the Triton modules cannot import")
     found = fast.available_ops()
-    assert set(found) == set(OP_NAMES) - ROUTERS
+    assert set(found) == set(OP_NAMES)
     for op, impl in found.items():
         want = inspect.signature(getattr(KernelOps, op))
         want = want.replace(parameters=list(want.parameters.values())[1:])  # drop self

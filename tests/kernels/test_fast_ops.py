@@ -6,7 +6,8 @@ interpreter (slow; float16 stands in for bfloat16 there because the interpreter'
 dot is wrong).
 
 State pools are poisoned with NaN at the slots an op must write, and every slot the op
-must not write is compared bit for bit afterwards.
+must not write is compared bit for bit afterwards. The MoE ops (routers, fused experts) have
+their own file, test_fused_moe.py; the decode-step capture below includes them.
 """
 import os
 import zlib
@@ -29,7 +30,7 @@ elif INTERPRET:
 else:
     pytest.skip("needs CUDA (or TRITON_INTERPRET=1 for a slow CPU run)", allow_module_level=True)
 
-from layers.kernels.triton import attention, conv1d, moe, norm, ssm_update  # noqa: E402
+from layers.kernels.triton import attention, conv1d, moe, moe_routing, norm, ssm_update  # noqa: E402
 
 LOW = torch.float16 if INTERPRET else torch.bfloat16
 DTYPES = [LOW, torch.float32]
@@ -305,47 +306,14 @@ def test_write_kv_cache(dtype: torch.dtype, block_size: int) -> None:
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
-# ---------------------------------------------------------------- MoE
-
-
-def _moe_case(tokens: int, activation: str, dtype: torch.dtype, experts: int = 8, top_k: int = 2):
-    hidden, inter = 128, 96
-    allowed = torch.tensor([e for e in range(experts) if e not in (3, 6)], device=DEVICE)  # 3, 6: no tokens
-    ids = allowed[torch.rand(tokens, len(allowed), device=DEVICE).argsort(dim=1)[:, :top_k]]
-    weights = torch.softmax(randn(tokens, top_k), dim=-1)
-    up_rows = 2 * inter if activation == "swiglu" else inter
-    x = randn(tokens, hidden, dtype=dtype)
-    w_up = randn(experts, up_rows, hidden, dtype=dtype, scale=hidden ** -0.5)
-    w_down = randn(experts, hidden, inter, dtype=dtype, scale=inter ** -0.5)
-    return x, w_up, w_down, weights, ids
-
-
-def _grouped_mm_ok(dtype: torch.dtype) -> bool:
-    return DEVICE == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability()[0] == 9
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens", [1, 5, 64, 1100])  # 1100 x top-2 rows: the prefill-sized GEMM tiles
-@pytest.mark.parametrize("activation", ["relu2", "swiglu"])
-@pytest.mark.parametrize("torch_grouped_mm", [True, False])
-def test_moe_experts(dtype: torch.dtype, tokens: int, activation: str, torch_grouped_mm: bool) -> None:
-    if torch_grouped_mm and not _grouped_mm_ok(dtype):
-        pytest.skip("torch._grouped_mm path is bf16 on Hopper only")
-    x, w_up, w_down, weights, ids = _moe_case(tokens, activation, dtype)
-    expected = ref.moe_experts(x, w_up, w_down, weights, ids, activation)
-    out = moe.moe_experts_grouped(x, w_up, w_down, weights, ids, activation, torch_grouped_mm)
-    assert_close(out, expected, TOL[dtype])
-    assert_close(moe.moe_experts(x, w_up, w_down, weights, ids, activation), expected, TOL[dtype])
-
-
 # ---------------------------------------------------------------- backend / CUDA graphs
 
 
 def test_available_ops_has_every_family() -> None:
-    """With Triton present every family imports: all ops but the (reference) routers are fast."""
+    """With Triton present every family imports: every op is fast."""
     from layers.kernels import fast
 
-    assert set(fast.available_ops()) == set(OP_NAMES) - {"route_sigmoid_grouped", "route_softmax_topk"}
+    assert set(fast.available_ops()) == set(OP_NAMES)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need CUDA")
@@ -363,7 +331,10 @@ def test_decode_ops_capture_in_cuda_graph() -> None:
     q, k_cache, v_cache, tables, lens, cu = _paged_case([1] * batch, [80] * batch, block_size, heads, kv_heads,
                                                         head_dim, torch.bfloat16)
     lens.copy_(torch.tensor([5, 70, 0, 16, 17, 33], dtype=torch.int32, device=DEVICE))
-    mx, w_up, w_down, weights, ids = _moe_case(batch, "relu2", torch.bfloat16)
+    mx = randn(batch, 128, dtype=torch.bfloat16)
+    w_up = randn(8, 96, 128, dtype=torch.bfloat16, scale=0.1)
+    w_down = randn(8, 128, 96, dtype=torch.bfloat16, scale=0.1)
+    weights, ids = torch.softmax(randn(batch, 2), dim=-1), torch.rand(batch, 8, device=DEVICE).argsort(dim=1)[:, :2]
     logits = randn(batch, 8)
     bias = randn(8)
 
@@ -372,8 +343,8 @@ def test_decode_ops_capture_in_cuda_graph() -> None:
                 ssm_update.ssm_state_update(ssm_states, x, dt, a, b, c, d_skip, src, dst),
                 attention.paged_attention(q, k_cache, v_cache, tables, lens, cu, 0.1, max_seqlen_q=1, num_decode=batch),
                 moe.moe_experts(mx, w_up, w_down, weights, ids, "relu2"),
-                *ref.route_sigmoid_grouped(logits, bias, 2, 2, 1, True, 2.5),
-                *ref.route_softmax_topk(logits, 2))
+                *moe_routing.route_sigmoid_grouped(logits, bias, 2, 2, 1, True, 2.5),
+                *moe_routing.route_softmax_topk(logits, 2))
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -402,5 +373,6 @@ def test_decode_ops_capture_in_cuda_graph() -> None:
     assert_close(outs[4].sort(1)[0], expected[4].sort(1)[0], 1e-5)
     assert torch.equal(outs[5].sort(1)[0], expected[5].sort(1)[0])
     assert torch.equal(outs[7], expected[7])
+    assert (outs[6] - expected[6]).abs().max().item() < 1e-6
     check_pool(conv_states, conv_expected, dst[valid], 1e-2)
     check_pool(ssm_states, ssm_expected, dst[valid], 1e-5)

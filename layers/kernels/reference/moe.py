@@ -16,10 +16,11 @@ def route_sigmoid_grouped(
 
     The correction bias only steers which experts are chosen; the weights are the raw
     sigmoid scores of the chosen experts (optionally renormalized), times the scaling factor.
-    router_logits: [T, E] float32. Returns (weights [T, k] float32, expert ids [T, k] int64).
+    router_logits: [T, E], routed in float32. Returns (weights [T, k] float32, expert ids
+    [T, k] int64).
     """
     n_tokens, n_experts = router_logits.shape
-    scores = router_logits.sigmoid()
+    scores = router_logits.float().sigmoid()
     choice = scores + correction_bias.float()
     per_group = choice.view(n_tokens, n_group, n_experts // n_group)
     group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1)[0].sum(dim=-1)
@@ -56,11 +57,17 @@ def moe_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     activation: str,
+    shared_up: torch.Tensor | None = None,
+    shared_down: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Weighted sum of each token's chosen experts: sum_k w_k * down_e(act(up_e(x))).
+    """Weighted sum of each token's chosen experts: sum_k w_k * down_e(act(up_e(x))), plus
+    the shared expert down_s(act(up_s(x))) when its weights are given.
 
     x: [T, H]; w_up: [E, I or 2I (swiglu: gate then up), H]; w_down: [E, H, I];
-    topk_weights / topk_ids: [T, k]. Accumulates in float32, returns x's dtype.
+    topk_weights / topk_ids: [T, k]; shared_up: [S or 2S, H]; shared_down: [H, S]. The routed
+    sum accumulates in float32 (each weight rounded to x's dtype first, as transformers does
+    for Granite) and is rounded to x's dtype; the shared expert's output, in x's dtype, is
+    added to it (the models' MoE blocks add the two this way).
     """
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for expert in topk_ids.unique().tolist():
@@ -68,4 +75,7 @@ def moe_experts(
         h = _expert_activation(F.linear(x[token_idx], w_up[expert]), activation)
         h = F.linear(h, w_down[expert]) * topk_weights[token_idx, k_idx, None].to(h.dtype)
         out.index_add_(0, token_idx, h.float())
-    return out.to(x.dtype)
+    out = out.to(x.dtype)
+    if shared_up is not None:
+        out = out + F.linear(_expert_activation(F.linear(x, shared_up), activation), shared_down)
+    return out

@@ -1,122 +1,212 @@
-"""MoE expert compute by sorted token dispatch + grouped GEMM (no host sync, static shapes).
+"""Fused MoE experts: alignment, two grouped GEMMs and a combine, four kernels in all.
 
-The T*k (token, expert) pairs are sorted by expert; each expert's rows then form one
-contiguous group, and two grouped GEMMs (up + activation, down) run over all groups at
-once. bf16 on Hopper uses `torch._grouped_mm` (CUTLASS, int32 group end offsets);
-everything else (float32, other GPUs, unaligned sizes) uses the Triton grouped GEMM below,
-whose grid is sized by the static bound cdiv(T*k, BM) + E tiles. Results are un-sorted
-with one index_copy and summed over k in float32, so the output is deterministic.
-Routing stays with the reference ops: they are plain sync-free torch already.
+1. `align_pairs` (moe_align.py) sorts the T x slots (token, slot) pairs into per-expert row
+   segments padded to the row tile BLOCK_M. A token's slots are its k routed choices, then
+   the chunks of the shared expert when one is given (see below).
+2. Up GEMM: each program takes BLOCK_M rows of one expert and BLOCK_N output columns, gathers
+   the rows' tokens from x, multiplies by that expert's up (SwiGLU: gate and up) weights and
+   applies the activation in registers. Only the experts that have rows are read; blocks past
+   the last real one exit at once.
+3. Down GEMM: the same over the activations, each row written to its (token, slot) place.
+4. Combine: per token, the k routed rows times their weights plus the shared rows, summed in
+   slot order in float32 (deterministic; no atomics anywhere).
+
+The shared expert (same activation, no biases) runs inside the same kernels: its
+intermediate width S is cut into cdiv(S, I) chunks of the routed width I, pseudo-experts
+E, E+1, ... with weight 1 that every token visits (for relu2 and SwiGLU the chunks' down
+projections add up to the whole MLP's). So a MoE layer with a shared expert costs the
+router GEMM, the router kernel and these four kernels.
+
+Numerics follow the reference: float32 accumulation, each projection rounded to x's dtype
+before the activation, the down projection rounded to x's dtype before it is weighted,
+result in x's dtype. No host sync, and every shape depends only on (T, k, E, the tile), so
+the whole path captures in a CUDA graph.
 """
+import functools
+from dataclasses import dataclass, replace
+
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from layers.kernels.triton.moe_align import ExpertRows, align_pairs, max_row_blocks
 
 _ACTIVATIONS = {"relu2": 1, "swiglu": 2}
 
 
+@dataclass(frozen=True)
+class MoeTiles:
+    """Tile sizes of one fused MoE call (the row tile is shared by alignment and both GEMMs)."""
+
+    block_m: int
+    up: tuple[int, int]  # (BLOCK_N, BLOCK_K) of the up GEMM
+    down: tuple[int, int]  # (BLOCK_N, BLOCK_K) of the down GEMM
+    num_warps: int
+    num_stages: int
+
+
+# By row tile, chosen from the expected rows per expert (`moe_tiles`). Decode-sized calls
+# (a few rows per expert) stream weights: 16-row tiles, long K tiles, several stages in
+# flight. Prefill-sized calls are tensor-core bound: 128-row tiles. Tune here.
+MOE_TILES: dict[int, MoeTiles] = {
+    16: MoeTiles(16, up=(64, 128), down=(64, 128), num_warps=4, num_stages=4),
+    32: MoeTiles(32, up=(64, 128), down=(64, 128), num_warps=4, num_stages=4),
+    64: MoeTiles(64, up=(64, 64), down=(64, 64), num_warps=4, num_stages=3),
+    128: MoeTiles(128, up=(64, 64), down=(128, 64), num_warps=8, num_stages=3),
+}
+# float32 runs the IEEE dot (the 1e-4 contract): twice the bytes per element, smaller tiles.
+FLOAT32_TILES = {"up": (32, 32), "down": (32, 32), "num_stages": 2}
+MIN_BLOCK_N = 32
+PROGRAMS_PER_SM = 2
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter (CPU): any value works
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def moe_tiles(num_pairs: int, num_experts: int, n_up: int, n_down: int, dtype: torch.dtype,
+              num_sms: int = 132) -> MoeTiles:
+    """Tiles for `num_pairs` (token, slot) rows over `num_experts` experts (shared chunks
+    included) with up / down GEMMs `n_up` / `n_down` columns wide.
+
+    The row tile is the smallest in MOE_TILES that holds the expected rows per expert
+    (num_pairs / num_experts), else the largest. Where the grid would leave SMs idle (decode, narrow
+    experts) the column tiles narrow down to MIN_BLOCK_N so that each SM has
+    PROGRAMS_PER_SM programs streaming weights.
+    """
+    row_tiles = sorted(MOE_TILES)
+    tiles = MOE_TILES[next((bm for bm in row_tiles if num_pairs / num_experts <= bm), row_tiles[-1])]
+    if dtype == torch.float32:
+        tiles = replace(tiles, **FLOAT32_TILES)
+    blocks = max_row_blocks(num_pairs, num_experts, tiles.block_m)
+
+    def fit(block_n: int, n: int) -> int:
+        while block_n > MIN_BLOCK_N and blocks * triton.cdiv(n, block_n) < PROGRAMS_PER_SM * num_sms:
+            block_n //= 2
+        return block_n
+
+    return replace(tiles, up=(fit(tiles.up[0], n_up), tiles.up[1]), down=(fit(tiles.down[0], n_down), tiles.down[1]))
+
+
 @triton.jit
-def _grouped_gemm_kernel(
-    a_ptr, a_rows_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr,
-    n_out, k_dim, stride_am, stride_we, stride_wn, stride_wk, stride_om,
-    GATHER: tl.constexpr, ACT: tl.constexpr, PRECISION: tl.constexpr,
+def _moe_gemm_kernel(
+    a_ptr, w_ptr, ws_ptr, out_ptr, pairs_ptr, block_expert_ptr, expert_end_ptr,
+    n_dim, k_dim, num_routed, shared_width, stride_am, stride_om, stride_we, stride_wn, stride_sn,
+    shared_step, routed_half, shared_half,
+    SLOTS: tl.constexpr, UP: tl.constexpr, ACT: tl.constexpr, PRECISION: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    # One (row tile of one expert, column tile): out[rows] = act(A[rows] @ W[e]^T).
-    tile = tl.program_id(0)
-    expert = tl.load(tile_expert_ptr + tile)
+    # One (row block of one expert, column block). UP: out[row] = act(x[token(row)] @ W_e^T),
+    # rows in sorted order. Down: out[pair(row)] = h[row] @ W_e^T, rows in pair order.
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
     if expert < 0:
-        return  # tiles past the real tile count (the grid is a static upper bound)
-    row0 = tl.load(tile_row_ptr + tile)
-    rows = row0 + tl.arange(0, BM)
+        return  # blocks past the last real one (the grid is a static bound)
+    rows = block * BM + tl.arange(0, BM)
     r_in = rows < tl.load(expert_end_ptr + expert)
-    a_rows = tl.load(a_rows_ptr + rows, mask=r_in, other=0) if GATHER else rows
+    pairs = tl.load(pairs_ptr + rows, mask=r_in, other=0)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
-    c_in = cols < n_out
-    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    # Shared chunk j covers intermediate columns [j*I, min((j+1)*I, S)): the up GEMM's
+    # output columns, the down GEMM's K columns.
+    inter = n_dim if UP else k_dim
+    chunk = expert - num_routed
+    width = tl.where(chunk < 0, inter, tl.minimum(inter, shared_width - chunk * inter))
+    n_limit = width if UP else n_dim
+    k_limit = k_dim if UP else width
+    a_rows = pairs // SLOTS if UP else rows
+    # Selected base and strides rather than two code paths (two would double the pipeline's
+    # shared memory); selects keep the strides' divisibility: weight loads stay 16-byte cp.async.
+    shared = chunk >= 0
+    w_base = tl.where(shared, ws_ptr + chunk.to(tl.int64) * shared_step, w_ptr + expert.to(tl.int64) * stride_we)
+    w_cols = w_base + cols[None, :] * tl.where(shared, stride_sn, stride_wn)  # K is contiguous
+    up_offset = tl.where(shared, shared_half, routed_half)  # SwiGLU: gate rows -> up rows
+    a_base = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am
+    c_in = cols < n_limit
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    if ACT == 2:
-        acc_up = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, k_dim, BK):
+    acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, k_limit, BK):
         kk = k0 + tl.arange(0, BK)
-        k_in = kk < k_dim
-        a = tl.load(a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + kk[None, :],
-                    mask=r_in[:, None] & k_in[None, :], other=0.0)
-        w = tl.load(w_base + cols[None, :] * stride_wn + kk[:, None] * stride_wk,
-                    mask=c_in[None, :] & k_in[:, None], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
-        if ACT == 2:  # SwiGLU: gate rows [0, I), up rows [I, 2I) of the same weight
-            w_up = tl.load(w_base + (cols + n_out)[None, :] * stride_wn + kk[:, None] * stride_wk,
-                           mask=c_in[None, :] & k_in[:, None], other=0.0)
+        k_in = kk < k_limit
+        # Rows and K columns past the limits are masked, so unwritten inputs are never read.
+        a = tl.load(a_base + kk[None, :], mask=r_in[:, None] & k_in[None, :], other=0.0)
+        w_mask = c_in[None, :] & k_in[:, None]
+        acc = tl.dot(a, tl.load(w_cols + kk[:, None], mask=w_mask, other=0.0), acc, input_precision=PRECISION)
+        if ACT == 2:
+            w_up = tl.load(w_cols + up_offset + kk[:, None], mask=w_mask, other=0.0)
             acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
-    # The reference rounds the projection to the activation dtype before the activation.
+    # The reference rounds each projection to the activation dtype before the activation.
     acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
     if ACT == 1:
         acc = tl.maximum(acc, 0.0)
         acc = acc * acc
     elif ACT == 2:
-        acc_up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
-        acc = acc * tl.sigmoid(acc) * acc_up
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+        acc = acc * tl.sigmoid(acc) * acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+    out_rows = rows if UP else pairs
+    tl.store(out_ptr + out_rows.to(tl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=r_in[:, None] & c_in[None, :])
 
 
-def gemm_tiles(dtype: torch.dtype, act: int, num_rows: int) -> tuple[int, int, int]:
-    """(BM, BN, BK) of the Triton grouped GEMM.
+@triton.jit
+def _combine_kernel(y_ptr, weights_ptr, out_ptr, n_dim, stride_y, stride_o,
+                    TOP_K: tl.constexpr, SLOTS: tl.constexpr, BN: tl.constexpr):
+    # out[t] = sum_s w[t, s] * y[t * SLOTS + s] in slot order (shared slots: weight 1), float32.
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    c_in = cols < n_dim
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    for s in tl.static_range(SLOTS):
+        v = tl.load(y_ptr + (t * SLOTS + s) * stride_y + cols, mask=c_in, other=0.0).to(tl.float32)
+        if s < TOP_K:
+            v = v * tl.load(weights_ptr + t * TOP_K + s).to(tl.float32)
+        acc += v
+    tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=c_in)
 
-    Decode-sized batches stream expert weights, where 64x64 tiles measured best on an H100;
-    prefill-sized ones take 128-row tiles, 128 columns wide (SwiGLU keeps two accumulators,
-    so half as wide). float32 tiles are twice the bytes, so smaller.
-    """
-    if dtype == torch.float32:
-        return 32, 32, 32
-    if num_rows <= 2048:
-        return 64, 64, 64
-    return 128, (64 if act == 2 else 128), 64
+
+@dataclass(frozen=True)
+class _Weights:
+    """One GEMM's routed weights [E, N(, x2 for SwiGLU), K] and its shared expert's
+    [N-or-K-wide, ...] (or the routed ones again, unused, when there is none)."""
+
+    routed: torch.Tensor
+    shared: torch.Tensor
+    stride_sn: int  # row stride of the shared weight
+    shared_step: int  # elements between shared chunks
+    routed_half: int  # SwiGLU: elements from the gate rows to the up rows
+    shared_half: int
 
 
-def _grouped_gemm_triton(
-    a: torch.Tensor, a_rows: torch.Tensor | None, w: torch.Tensor, counts: torch.Tensor, ends: torch.Tensor,
-    num_rows: int, act: int, out_cols: int,
-) -> torch.Tensor:
-    """out[r] = act(a[a_rows[r]] @ w[e(r)]^T) for sorted rows r grouped by expert (ends: group ends)."""
-    num_experts = w.shape[0]
-    bm, bn, bk = gemm_tiles(a.dtype, act, num_rows)
-    # Tile map on the device: tile i belongs to the expert whose cumulative tile count
-    # first exceeds i; tiles past the total get expert -1.
-    tiles = (counts + bm - 1) // bm
-    tile_ends = torch.cumsum(tiles, 0)
-    max_tiles = triton.cdiv(num_rows, bm) + num_experts
-    tile_ids = torch.arange(max_tiles, device=a.device, dtype=tile_ends.dtype)
-    expert = torch.searchsorted(tile_ends, tile_ids, right=True)
-    e = expert.clamp(max=num_experts - 1)
-    tile_row = (ends - counts)[e] + (tile_ids - (tile_ends - tiles)[e]) * bm
-    tile_expert = torch.where(expert < num_experts, expert, -1)
-    out = torch.empty((num_rows, out_cols), dtype=a.dtype, device=a.device)
-    _grouped_gemm_kernel[(max_tiles, triton.cdiv(out_cols, bn))](
-        a, a_rows if a_rows is not None else tile_row, w, out, tile_expert, tile_row, ends,
-        out_cols, a.shape[1], a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
-        GATHER=a_rows is not None, ACT=act, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=3,
+def _gemm(a: torch.Tensor, weights: _Weights, out: torch.Tensor, rows: ExpertRows, tile: tuple[int, int],
+          tiles: MoeTiles, up: bool, act: int, num_routed: int, shared_width: int, slots: int) -> None:
+    block_n, block_k = tile
+    n_dim = out.shape[1]
+    _moe_gemm_kernel[(rows.max_blocks, triton.cdiv(n_dim, block_n))](
+        a, weights.routed, weights.shared, out, rows.pairs, rows.block_expert, rows.expert_end,
+        n_dim, a.shape[1], num_routed, shared_width, a.stride(0), out.stride(0), weights.routed.stride(0),
+        weights.routed.stride(1), weights.stride_sn, weights.shared_step, weights.routed_half, weights.shared_half,
+        SLOTS=slots, UP=up, ACT=act, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BM=rows.block_m, BN=block_n, BK=block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
-    return out
 
 
-def _use_torch_grouped_mm(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> bool:
-    """torch._grouped_mm's fast kernel: bf16, Hopper (sm90), 16-byte aligned rows."""
-    if not (x.is_cuda and x.dtype == w_up.dtype == w_down.dtype == torch.bfloat16):
-        return False
-    if torch.cuda.get_device_capability(x.device)[0] != 9:
-        return False
-    return all(size % 8 == 0 for size in (*w_up.shape[1:], *w_down.shape[1:]))
-
-
-def _activation(h: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "relu2":
-        return torch.square(F.relu(h))
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
+def _check_shapes(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor, act: int,
+                  shared_up: torch.Tensor | None, shared_down: torch.Tensor | None) -> None:
+    num_experts, hidden, inter = w_down.shape
+    if w_up.shape != (num_experts, act * inter, hidden) or x.shape[1] != hidden:
+        raise ValueError(f"w_up {tuple(w_up.shape)}, w_down {tuple(w_down.shape)} and x {tuple(x.shape)} disagree")
+    if (shared_up is None) != (shared_down is None):
+        raise ValueError("shared_up and shared_down go together")
+    if shared_down is not None and (shared_down.shape[0] != hidden
+                                    or shared_up.shape != (act * shared_down.shape[1], hidden)):
+        raise ValueError(f"shared_up {tuple(shared_up.shape)} and shared_down {tuple(shared_down.shape)} disagree "
+                         f"with hidden size {hidden}")
+    weights = [w for w in (w_up, w_down, shared_up, shared_down) if w is not None]
+    if any(w.stride(-1) != 1 or w.dtype != x.dtype for w in weights):
+        raise ValueError("expert weights must have contiguous rows and x's dtype")
+    if topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} does not match {x.shape[0]} tokens")
 
 
 def moe_experts(
@@ -126,51 +216,48 @@ def moe_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     activation: str,
+    shared_up: torch.Tensor | None = None,
+    shared_down: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Weighted sum of each token's chosen experts: sum_k w_k * down_e(act(up_e(x))).
+    """Weighted sum of each token's chosen experts: sum_k w_k * down_e(act(up_e(x))), plus
+    the shared expert down_s(act(up_s(x))) when its weights are given.
 
     x: [T, H]; w_up: [E, I or 2I (swiglu: gate then up), H]; w_down: [E, H, I];
-    topk_weights / topk_ids: [T, k]. No host sync, shapes depend only on T, k, E (CUDA-graph
-    capturable); experts with no tokens cost nothing. Picks torch._grouped_mm where it is fast.
+    topk_weights / topk_ids: [T, k]; shared_up: [S or 2S, H]; shared_down: [H, S].
+    Four kernels, no host sync, shapes depend only on T, k, E (CUDA-graph capturable);
+    experts without tokens are not read.
     """
-    return moe_experts_grouped(x, w_up, w_down, topk_weights, topk_ids, activation,
-                               _use_torch_grouped_mm(x, w_up, w_down))
-
-
-def moe_experts_grouped(
-    x: torch.Tensor,
-    w_up: torch.Tensor,
-    w_down: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    activation: str,
-    torch_grouped_mm: bool,
-) -> torch.Tensor:
-    """`moe_experts` with the grouped GEMM backend named (tests and benchmarks run both):
-    torch._grouped_mm when `torch_grouped_mm`, else the Triton grouped GEMM."""
     if activation not in _ACTIVATIONS:
         raise ValueError(f"unsupported expert activation: {activation!r}")
+    act = _ACTIVATIONS[activation]
+    _check_shapes(x, w_up, w_down, topk_ids, act, shared_up, shared_down)
     num_tokens, hidden = x.shape
+    num_experts, _, inter = w_down.shape
+    out = torch.empty_like(x)
+    if num_tokens == 0:
+        return out
+    x = x if x.stride(1) == 1 else x.contiguous()
+    shared_width = 0 if shared_down is None else shared_down.shape[1]
+    chunks = triton.cdiv(shared_width, inter)
     top_k = topk_ids.shape[1]
-    num_rows = num_tokens * top_k
-    if num_rows == 0:
-        return torch.zeros_like(x)
-    num_experts = w_up.shape[0]
-    flat_ids = topk_ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)  # sorted row -> flat (token, k) index
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
-    ends = torch.cumsum(counts, 0, dtype=torch.int32)
-    row_token = order // top_k
-    if torch_grouped_mm:
-        h = torch._grouped_mm(x.index_select(0, row_token), w_up.transpose(1, 2), offs=ends)
-        h = _activation(h, activation)
-        y = torch._grouped_mm(h, w_down.transpose(1, 2), offs=ends)
+    slots = top_k + chunks
+    tiles = moe_tiles(num_tokens * slots, num_experts + chunks, inter, hidden, x.dtype, _num_sms(x.device))
+    rows = align_pairs(topk_ids, num_experts, chunks, tiles.block_m)
+
+    if shared_up is None:
+        up_w = _Weights(w_up, w_up, w_up.stride(1), 0, inter * w_up.stride(1), 0)
+        down_w = _Weights(w_down, w_down, w_down.stride(1), 0, 0, 0)
     else:
-        x = x if x.stride(1) == 1 else x.contiguous()
-        inter = w_down.shape[2]
-        h = _grouped_gemm_triton(x, row_token, w_up, counts, ends, num_rows, _ACTIVATIONS[activation], inter)
-        y = _grouped_gemm_triton(h, None, w_down, counts, ends, num_rows, 0, hidden)
-    weighted = y.float() * topk_weights.reshape(-1)[order, None].float()
-    unsorted = torch.empty_like(weighted).index_copy_(0, order, weighted)
-    return unsorted.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+        up_w = _Weights(w_up, shared_up, shared_up.stride(0), inter * shared_up.stride(0), inter * w_up.stride(1),
+                        shared_width * shared_up.stride(0))
+        down_w = _Weights(w_down, shared_down, shared_down.stride(0), inter, 0, 0)
+    h = torch.empty((rows.pairs.shape[0], inter), dtype=x.dtype, device=x.device)
+    _gemm(x, up_w, h, rows, tiles.up, tiles, True, act, num_experts, shared_width, slots)
+    y = torch.empty((num_tokens * slots, hidden), dtype=x.dtype, device=x.device)
+    _gemm(h, down_w, y, rows, tiles.down, tiles, False, 0, num_experts, shared_width, slots)
+
+    block_n = min(1024, triton.next_power_of_2(hidden))
+    weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
+    _combine_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
+        y, weights, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, SLOTS=slots, BN=block_n, num_warps=4)
+    return out

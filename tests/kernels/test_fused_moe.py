@@ -1,0 +1,282 @@
+"""The fused MoE path (layers/kernels/triton/moe*.py) against the reference ops.
+
+Run on a GPU: `python -m pytest tests/kernels -m gpu -q`. Without CUDA these tests skip,
+unless TRITON_INTERPRET=1 runs the kernels on the CPU through Triton's interpreter (slow;
+float16 stands in for bfloat16, whose interpreted dot is wrong; the preset-sized cases,
+CUDA graphs and kernel counts need CUDA).
+"""
+import pytest
+import torch
+
+from layers.kernels import REFERENCE_OPS
+from layers.kernels import reference as ref
+# The device choice (skips without CUDA unless interpreting), seeding and comparisons of the
+# other fast-op tests.
+from tests.kernels.test_fast_ops import DEVICE, DTYPES, LOW, TOL, assert_close, fixed_seed, randn  # noqa: F401
+
+pytestmark = pytest.mark.gpu
+RUNS_IN_TRITON_INTERPRETER = True  # conftest: TRITON_INTERPRET=1 runs these on the CPU
+
+from layers.kernels import fast  # noqa: E402
+from layers.kernels.triton import moe, moe_align, moe_routing  # noqa: E402
+from layers.mlp import SwiGLUMLP  # noqa: E402
+from layers.moe import GraniteMoE, NemotronHMoE  # noqa: E402
+
+needs_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
+
+
+def by_expert(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both routes with their k slots in expert order (the reference's order is unspecified)."""
+    order = ids.argsort(dim=1)
+    return weights.gather(1, order), ids.gather(1, order)
+
+
+# ---------------------------------------------------------------- routers
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (5, 64, 6), (37, 40, 6), (300, 128, 8), (3, 64, 1)])
+def test_route_softmax_topk(tokens: int, experts: int, top_k: int) -> None:
+    logits = randn(tokens, experts)
+    weights, ids = moe_routing.route_softmax_topk(logits, top_k)
+    expected_weights, expected_ids = ref.route_softmax_topk(logits, top_k)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.equal(ids, expected_ids)  # both best first
+    assert (weights - expected_weights).abs().max().item() < 1e-6
+
+
+def test_route_softmax_topk_ties_pick_the_lowest_expert() -> None:
+    """bf16 logits tie often: the documented order is a stable descending sort."""
+    logits = torch.randint(-3, 4, (64, 32), device=DEVICE).to(LOW)  # 7 values over 32 experts: many ties
+    weights, ids = moe_routing.route_softmax_topk(logits, 6)
+    assert torch.equal(ids, torch.sort(-logits.float(), dim=1, stable=True)[1][:, :6])
+    expected = torch.softmax(logits.float().gather(1, ids), dim=-1)
+    assert (weights - expected).abs().max().item() < 1e-6
+
+
+SIGMOID_CASES = [
+    # tokens, experts, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor
+    (1, 8, 2, 2, 1, True, 1.0),
+    (7, 64, 6, 8, 4, True, 2.5),
+    (33, 64, 6, 8, 4, False, 2.5),
+    (300, 128, 6, 1, 1, True, 2.5),  # Nemotron-3-Nano's router
+    (9, 16, 2, 16, 3, True, 1.5),  # single-expert groups
+    (5, 48, 4, 4, 2, False, 1.0),  # experts not a power of two
+]
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,n_group,topk_group,norm,scale", SIGMOID_CASES)
+def test_route_sigmoid_grouped(tokens: int, experts: int, top_k: int, n_group: int, topk_group: int, norm: bool,
+                               scale: float) -> None:
+    logits, bias = randn(tokens, experts), randn(experts, scale=0.1)
+    weights, ids = moe_routing.route_sigmoid_grouped(logits, bias, top_k, n_group, topk_group, norm, scale)
+    expected = ref.route_sigmoid_grouped(logits, bias, top_k, n_group, topk_group, norm, scale)
+    (w, i), (ew, ei) = by_expert(weights, ids), by_expert(*expected)
+    assert torch.equal(i, ei)
+    assert (w - ew).abs().max().item() < 1e-6
+    choice = (torch.sigmoid(logits) + bias).gather(1, ids)
+    assert (choice[:, :-1] >= choice[:, 1:]).all(), "not best first"
+
+
+def test_routers_reject_impossible_configs() -> None:
+    logits = randn(2, 16)
+    with pytest.raises(ValueError, match="top_k"):
+        moe_routing.route_softmax_topk(logits, 17)
+    with pytest.raises(ValueError, match="n_group"):
+        moe_routing.route_sigmoid_grouped(logits, randn(16), 2, 3, 1, True, 1.0)
+    with pytest.raises(ValueError, match="top_k"):
+        moe_routing.route_sigmoid_grouped(logits, randn(16), 5, 4, 1, True, 1.0)
+
+
+# ---------------------------------------------------------------- alignment
+
+
+ALIGN_CASES = [(1, 8, 2, 0, 16), (1, 64, 6, 2, 16), (5, 8, 2, 2, 16), (40, 16, 6, 1, 32), (300, 64, 6, 2, 16),
+               (260, 8, 2, 3, 128), (100, 130, 8, 0, 64)]  # the last ones span several align programs
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,chunks,block_m", ALIGN_CASES)
+@pytest.mark.parametrize("routing", ["random", "one_expert"])
+def test_align_pairs(tokens: int, experts: int, top_k: int, chunks: int, block_m: int, routing: str) -> None:
+    """Each expert's rows: its pairs in token order, padded to block_m; blocks past the
+    last real one marked -1."""
+    if routing == "random":
+        ids = torch.rand(tokens, experts, device=DEVICE).argsort(dim=1)[:, :top_k]
+    else:  # every token on the same k experts: one long segment each, the rest empty
+        ids = torch.arange(top_k, device=DEVICE).expand(tokens, top_k).contiguous()
+    rows = moe_align.align_pairs(ids, experts, chunks, block_m)
+    shared_ids = experts + torch.arange(chunks, device=DEVICE).expand(tokens, chunks)
+    expert_of_pair = torch.cat([ids, shared_ids], dim=1).reshape(-1)
+    counts = torch.bincount(expert_of_pair, minlength=experts + chunks)
+    padded = (counts + block_m - 1) // block_m * block_m
+    starts = torch.cumsum(padded, 0) - padded
+    assert torch.equal(rows.expert_end.long(), starts + counts)
+    used = int(padded.sum()) // block_m
+    assert used <= rows.max_blocks == moe_align.max_row_blocks(expert_of_pair.numel(), experts + chunks, block_m)
+    expected_blocks = torch.repeat_interleave(torch.arange(experts + chunks, device=DEVICE), padded // block_m)
+    assert torch.equal(rows.block_expert[:used].long(), expected_blocks)
+    assert (rows.block_expert[used:] == -1).all()
+    for e in range(experts + chunks):
+        got = rows.pairs[starts[e]:starts[e] + counts[e]].long()
+        assert torch.equal(got, torch.nonzero(expert_of_pair == e).flatten()), f"expert {e}"
+
+
+# ---------------------------------------------------------------- experts
+
+
+def _moe_case(tokens: int, activation: str, dtype: torch.dtype, shared: int | None, routing: str = "random",
+              experts: int = 8, top_k: int = 2, hidden: int = 128, inter: int = 96):
+    if routing == "random":  # experts 3 and 6 get no tokens
+        allowed = torch.tensor([e for e in range(experts) if e not in (3, 6)], device=DEVICE)
+        ids = allowed[torch.rand(tokens, len(allowed), device=DEVICE).argsort(dim=1)[:, :top_k]]
+    else:  # every token on the same experts
+        ids = torch.tensor([5, 0, 2, 7, 1, 4][:top_k], device=DEVICE).expand(tokens, top_k).contiguous()
+    weights = torch.softmax(randn(tokens, top_k), dim=-1)
+    mult = 2 if activation == "swiglu" else 1
+    x = randn(tokens, hidden, dtype=dtype)
+    w_up = randn(experts, mult * inter, hidden, dtype=dtype, scale=hidden ** -0.5)
+    w_down = randn(experts, hidden, inter, dtype=dtype, scale=inter ** -0.5)
+    shared_up = shared_down = None
+    if shared:
+        shared_up = randn(mult * shared, hidden, dtype=dtype, scale=hidden ** -0.5)
+        shared_down = randn(hidden, shared, dtype=dtype, scale=shared ** -0.5)
+    return x, w_up, w_down, weights, ids, shared_up, shared_down
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 5, 64, 600])  # 600 x 4 slots: prefill tiles, several align programs
+@pytest.mark.parametrize("activation", ["relu2", "swiglu"])
+@pytest.mark.parametrize("shared", [None, 192, 136])  # shared width: 2 routed widths, and a ragged last chunk
+def test_moe_experts(dtype: torch.dtype, tokens: int, activation: str, shared: int | None) -> None:
+    args = _moe_case(tokens, activation, dtype, shared)
+    out = moe.moe_experts(*args[:5], activation, *args[5:])
+    assert out.dtype == dtype
+    assert_close(out, ref.moe_experts(*args[:5], activation, *args[5:]), TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [5, 600])
+@pytest.mark.parametrize("activation", ["relu2", "swiglu"])
+def test_moe_experts_all_tokens_on_the_same_experts(dtype: torch.dtype, tokens: int, activation: str) -> None:
+    args = _moe_case(tokens, activation, dtype, 96, routing="same", top_k=2)
+    assert_close(moe.moe_experts(*args[:5], activation, *args[5:]),
+                 ref.moe_experts(*args[:5], activation, *args[5:]), TOL[dtype])
+
+
+def test_moe_experts_is_deterministic_and_handles_no_tokens() -> None:
+    args = _moe_case(64, "swiglu", LOW, 192, experts=16, top_k=6)
+    first = moe.moe_experts(*args[:5], "swiglu", *args[5:])
+    assert torch.equal(first, moe.moe_experts(*args[:5], "swiglu", *args[5:]))
+    empty = _moe_case(0, "relu2", LOW, 96)
+    assert moe.moe_experts(*empty[:5], "relu2", *empty[5:]).shape == (0, 128)
+
+
+def test_moe_experts_rejects_mismatched_weights() -> None:
+    x, w_up, w_down, weights, ids, shared_up, shared_down = _moe_case(4, "swiglu", LOW, 96)
+    with pytest.raises(ValueError, match="w_up"):
+        moe.moe_experts(x, w_up[:, :96], w_down, weights, ids, "swiglu")
+    with pytest.raises(ValueError, match="go together"):
+        moe.moe_experts(x, w_up, w_down, weights, ids, "swiglu", shared_up, None)
+    with pytest.raises(ValueError, match="activation"):
+        moe.moe_experts(x, w_up, w_down, weights, ids, "gelu")
+
+
+PRESET_SHAPES = {
+    # name: (experts, top_k, hidden, inter, shared, activation)
+    "granite-4.0-h-tiny": (64, 6, 1536, 512, 1024, "swiglu"),
+    "nemotron-3-nano-30b-a3b": (128, 6, 2688, 1856, 3712, "relu2"),
+}
+
+
+@needs_cuda
+@pytest.mark.parametrize("preset", list(PRESET_SHAPES))
+@pytest.mark.parametrize("tokens", [1, 32, 2048])
+def test_moe_experts_at_preset_shapes(preset: str, tokens: int) -> None:
+    """The real tile classes and column-tile fitting, at the presets' expert shapes (bf16)."""
+    experts, top_k, hidden, inter, shared, activation = PRESET_SHAPES[preset]
+    args = _moe_case(tokens, activation, torch.bfloat16, shared, experts=experts, top_k=top_k, hidden=hidden,
+                     inter=inter)
+    assert_close(moe.moe_experts(*args[:5], activation, *args[5:]),
+                 ref.moe_experts(*args[:5], activation, *args[5:]), 1e-2)
+
+
+# ---------------------------------------------------------------- layers, graphs, kernel counts
+
+FAST_OPS = REFERENCE_OPS.with_ops("fast", fast.available_ops())
+
+
+def _randomize(module: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+        for b in module.buffers():
+            b.copy_(torch.randn_like(b) * 0.1)
+
+
+def _layers(dtype: torch.dtype) -> dict[str, tuple[torch.nn.Module, torch.nn.Module, tuple]]:
+    """name -> (fast layer, reference layer with the same weights, extra forward args)."""
+    nemotron = dict(hidden_size=128, num_experts=16, top_k=4, intermediate_size=64, shared_intermediate_size=96,
+                    n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
+    built = {}
+    for name, make in {"nemotron": lambda ops: NemotronHMoE(**nemotron, ops=ops),
+                       "nemotron_latent": lambda ops: NemotronHMoE(**nemotron, latent_size=96, ops=ops),
+                       "granite": lambda ops: GraniteMoE(128, 16, 4, 64, ops=ops)}.items():
+        reference = make(REFERENCE_OPS)
+        _randomize(reference)
+        fast_layer = make(FAST_OPS)
+        fast_layer.load_state_dict(reference.state_dict())
+        built[name] = (fast_layer.to(DEVICE, dtype), reference.to(DEVICE, dtype), ())
+    shared = SwiGLUMLP(128, 96)
+    _randomize(shared)
+    granite_fast, granite_ref, _ = built["granite"]
+    built["granite_shared"] = (granite_fast, granite_ref, (shared.to(DEVICE, dtype),))
+    return built
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layer", ["nemotron", "nemotron_latent", "granite", "granite_shared"])
+def test_moe_layers_fast_vs_reference(dtype: torch.dtype, layer: str) -> None:
+    fast_layer, reference, extra = _layers(dtype)[layer]
+    x = randn(37, 128, dtype=dtype)
+    with torch.no_grad():
+        assert_close(fast_layer(x, *extra), reference(x, *extra), TOL[dtype])
+
+
+@needs_cuda
+@pytest.mark.parametrize("layer", ["nemotron", "granite_shared"])
+def test_moe_layer_captures_in_cuda_graph(layer: str) -> None:
+    """One MoE layer (router GEMM, router, alignment, GEMMs, combine) captured once and
+    replayed on new inputs: no host sync, no data-dependent shapes."""
+    fast_layer, reference, extra = _layers(torch.bfloat16)[layer]
+    x = randn(6, 128, dtype=torch.bfloat16)
+    with torch.no_grad():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fast_layer(x, *extra)  # compile outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fast_layer(x, *extra)
+        for _ in range(3):  # new tokens route to new experts each time
+            x.copy_(randn(6, 128, dtype=torch.bfloat16))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert_close(out, reference(x, *extra), 1e-2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("layer", ["nemotron", "granite_shared"])
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_moe_layer_kernel_count(layer: str, tokens: int) -> None:
+    """A MoE layer with its shared expert launches at most 8 kernels (issue 14's target):
+    router GEMM, router, alignment, up GEMM, down GEMM, combine."""
+    fast_layer, _, extra = _layers(torch.bfloat16)[layer]
+    x = randn(tokens, 128, dtype=torch.bfloat16)
+    with torch.no_grad():
+        fast_layer(x, *extra)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fast_layer(x, *extra)
+            torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert 6 <= len(kernels) <= 8, kernels
