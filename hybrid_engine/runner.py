@@ -365,19 +365,17 @@ class ModelRunner:
         (i+1)*width); and the slot the state after each position is written to (the row
         starts from its `mamba_src`)."""
         n, bs = len(decodes), self.kv.block_size
-        ids = np.zeros((n, width), dtype=np.int64)
-        positions = np.empty((n, width), dtype=np.int64)
-        slots = np.full((n, width), -1, dtype=np.int64)
-        verify_dst = np.full((n, width), -1, dtype=np.int64)
-        offsets = self._rows[:width]
-        for i, c in enumerate(decodes):
-            real = c.num_tokens
-            ids[i, 0] = token_rows[i, TOKEN.input_ids]
-            ids[i, 1:real] = c.drafts
-            positions[i] = c.start + np.minimum(offsets, real - 1)
-            table, pos = self._block_table[c.request.state.row], positions[i, :real]
-            slots[i, :real] = table[pos // bs] * bs + pos % bs
-            verify_dst[i, :real] = c.state_dsts
+        pad = [0] * width
+        inputs = token_rows[:, TOKEN.input_ids].tolist()
+        ids = np.array([[token, *c.drafts, *pad[c.num_tokens:]] for token, c in zip(inputs, decodes)], dtype=np.int64)
+        verify_dst = np.array([[*c.state_dsts, *pad[c.num_tokens:]] for c in decodes], dtype=np.int64)
+        real = np.array([c.num_tokens for c in decodes], dtype=np.int64)[:, None]
+        offsets = self._rows[:width][None, :]
+        verify_dst[offsets >= real] = -1
+        positions = token_rows[:, TOKEN.positions][:, None] + np.minimum(offsets, real - 1)
+        table = self._block_table[[c.request.state.row for c in decodes]]
+        slots = np.take_along_axis(table, positions // bs, axis=1) * bs + positions % bs
+        slots[offsets >= real] = -1
         tokens, h, total = self.buffer.host_group("token_i64"), self.buffer.host_np, n * width
         tokens[TOKEN.input_ids, :total] = ids.ravel()
         tokens[TOKEN.positions, :total] = positions.ravel()

@@ -9,7 +9,9 @@ acceptance ~100%, the ceiling of any proposer; found by iterating from the non-s
 run's output until a run reproduces its own drafts, because bf16 verify steps round
 differently and dummy weights give near-ties that flip -- `calib` runs it took), `adversarial` (always wrong: acceptance 0, shows the
 cost of verifying and the back-off), `ngram` (prompt lookup, on prompts that repeat a text).
-Each row is the median of `--repeats` timed runs after a warm-up run; `agree` is the share
+Each row is the median of `--repeats` timed runs after a warm-up run: `speedup` counts the
+whole run (prefill included), `decode_speedup` the tokens after every request had its first
+one (the decode phase speculation speeds up); `agree` is the share
 of output tokens equal to the non-speculative run's (bf16 verify steps multiply more rows
 than decode steps, so rounding can flip a near-tie). Prints one table; `--json` writes it.
 """
@@ -62,23 +64,30 @@ def workload(batch: int, prompt_len: int, vocab: int, repetitive: bool) -> list[
 
 
 def timed_run(llm: LLM, prompts: list[tuple[str, list[int]]], output_len: int) -> tuple[float, dict, dict]:
-    """(output tok/s, outputs by id, stats delta) of one run of the whole batch."""
+    """(output tok/s, outputs by id, stats delta) of one run of the whole batch; the stats
+    also hold `decode_tok_s`: tokens after every request had its first one, per second."""
     engine = llm.engine
     before = engine.stats()
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     for rid, prompt in prompts:
         engine.add_request(rid, prompt, params)
-    outputs = {}
+    outputs, started, produced = {}, set(), 0
+    decode_start = decode_tokens = None
     torch.cuda.synchronize()
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         for out in engine.step():
+            produced += len(out.new_token_ids)
+            started.add(out.request_id)
             if out.finished:
                 outputs[out.request_id] = out.output_token_ids
-    wall = time.perf_counter() - start
+        if decode_start is None and len(started) == len(prompts):
+            decode_start, decode_tokens = time.perf_counter(), produced
+    end = time.perf_counter()
     after = engine.stats()
     delta = {k: after[k] - before[k] for k in ("steps", "spec_steps", "spec_proposed_tokens", "spec_accepted_tokens")}
-    return sum(map(len, outputs.values())) / wall, outputs, delta
+    delta["decode_tok_s"] = (produced - decode_tokens) / (end - decode_start)
+    return produced / (end - start), outputs, delta
 
 
 def probe(llm: LLM, prompts: list[tuple[str, list[int]]], output_len: int, steps: int) -> dict:
@@ -102,7 +111,8 @@ def median_run(llm, prompts, output_len, repeats):
     timed_run(llm, prompts, output_len)  # warm-up
     runs = [timed_run(llm, prompts, output_len) for _ in range(repeats)]
     tok_s = statistics.median(r[0] for r in runs)
-    return tok_s, runs[-1][1], runs[-1][2]
+    stats = {**runs[-1][2], "decode_tok_s": statistics.median(r[2]["decode_tok_s"] for r in runs)}
+    return tok_s, runs[-1][1], stats
 
 
 def main() -> None:
@@ -140,7 +150,7 @@ def main() -> None:
             if not names:
                 continue
             prompts = workload(batch, args.prompt_len, vocab, repetitive)
-            base_tok_s, base_out, _ = median_run(base, prompts, args.output_len, args.repeats)
+            base_tok_s, base_out, base_stats = median_run(base, prompts, args.output_len, args.repeats)
             truth.clear()
             truth.update({rid: prompt + base_out[rid] for rid, prompt in prompts})
             calibration = 0
@@ -158,6 +168,7 @@ def main() -> None:
                 proposed = stats["spec_proposed_tokens"]
                 rows.append(dict(batch=batch, proposer=name, k=args.k, base_tok_s=round(base_tok_s, 1),
                                  spec_tok_s=round(tok_s, 1), speedup=round(tok_s / base_tok_s, 3),
+                                 decode_speedup=round(stats["decode_tok_s"] / base_stats["decode_tok_s"], 3),
                                  acceptance=round(stats["spec_accepted_tokens"] / proposed, 3) if proposed else 0.0,
                                  tokens_per_step=round(sum(map(len, out.values())) / max(stats["steps"], 1), 2),
                                  verify_steps=stats["spec_steps"], steps=stats["steps"], agree=round(agree, 4),

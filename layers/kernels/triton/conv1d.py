@@ -196,6 +196,8 @@ def causal_conv1d_update(
         x, weight, bias if bias is not None else weight, conv_states, y, src_slots, dst_slots, dim,
         x.stride(0), weight.stride(0), conv_states.stride(0), conv_states.stride(1), conv_states.stride(2), y.stride(0),
         K=k, BK=triton.next_power_of_2(k), HAS_BIAS=bias is not None, SILU=silu, BD=bd, num_warps=4,
+        # No FMA contraction: the verify and single-token kernels then round alike, bit for bit.
+        enable_fp_fusion=False,
     )
     return y
 
@@ -274,5 +276,7 @@ def causal_conv1d_verify(
         x.stride(0), x.stride(1), weight.stride(0), conv_states.stride(0), conv_states.stride(1),
         conv_states.stride(2), y.stride(0), y.stride(1), dst_slots.stride(0),
         K=k, BK=triton.next_power_of_2(k), HAS_BIAS=bias is not None, SILU=silu, BD=bd, num_warps=4,
+        # No FMA contraction: the verify and single-token kernels then round alike, bit for bit.
+        enable_fp_fusion=False,
     )
     return y

@@ -94,6 +94,8 @@ def ssm_state_update(
         head_dim, state_size, heads // B.shape[1],
         *ssm_states.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *y.stride(),
         BP=bp, BN=triton.next_power_of_2(state_size), HAS_DT_BIAS=dt_bias is not None, num_warps=4,
+        # No FMA contraction: the verify and single-token kernels then round alike, bit for bit.
+        enable_fp_fusion=False,
     )
     return y
 
@@ -178,5 +180,7 @@ def ssm_state_verify(
         width, head_dim, state_size, heads // B.shape[2],
         *ssm_states.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *y.stride(), dst_slots.stride(0),
         BP=bp, BN=triton.next_power_of_2(state_size), HAS_DT_BIAS=dt_bias is not None, num_warps=4,
+        # No FMA contraction: the verify and single-token kernels then round alike, bit for bit.
+        enable_fp_fusion=False,
     )
     return y
