@@ -270,7 +270,7 @@ def causal_conv1d_verify(
     if batch == 0:
         return y
     x, weight = _unit_last_stride(x), _unit_last_stride(weight)
-    bd = 128
+    bd = 256  # as the single-token kernel: the same layout sums the taps in the same order
     _conv_verify_kernel[(batch, triton.cdiv(dim, bd))](
         x, weight, bias if bias is not None else weight, conv_states, y, src_slots, dst_slots, dim, width,
         x.stride(0), x.stride(1), weight.stride(0), conv_states.stride(0), conv_states.stride(1),
