@@ -1,6 +1,7 @@
 """`serve_hybrid.py` command line: engine flags, server flags, start-up and clean shutdown."""
 import argparse
 import asyncio
+import json
 import logging
 import math
 import signal
@@ -17,6 +18,7 @@ from hybrid_engine.server.api import build_app
 from hybrid_engine.server.async_llm import AsyncLLM
 from hybrid_engine.server.connections import quiet_connection_logs, uvicorn_config
 from hybrid_engine.server.limits import ServerLimits
+from hybrid_engine.spec.config import SpeculativeConfig
 
 logger = logging.getLogger("hybrid_engine.server")
 
@@ -59,8 +61,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds an idle keep-alive connection stays open")
     p.add_argument("--request-read-timeout", type=float, default=defaults.request_read_timeout,
                    help="seconds a request's head and body have to arrive in full before the connection is closed")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        "(docs/speculative.md; default: off)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     args = p.parse_args(argv)
+    args.speculative_config = _speculative_config(p, args.speculative_config)
     if args.max_waiting_requests < 0:
         p.error("--max-waiting-requests must be >= 0")
     if args.max_prompts_per_request is not None and args.max_prompts_per_request < 1:
@@ -76,6 +82,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _speculative_config(p: argparse.ArgumentParser, text: str | None) -> dict | None:
+    """--speculative-config as a validated dict (a usage error names what is wrong)."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        p.error(f"--speculative-config must be a JSON object: {exc}")
+    if not isinstance(value, dict):
+        p.error(f"--speculative-config must be a JSON object, got {text!r}")
+    if value.get("method") == "proposer":
+        p.error("--speculative-config: method 'proposer' takes a Python object: use the library "
+                "(LLM(speculative_config=...)); the server offers 'ngram'")
+    try:
+        SpeculativeConfig.from_dict(value)
+    except ValueError as exc:
+        p.error(f"--speculative-config: {exc}")
+    return value
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the flags describe."""
     return EngineConfig(
@@ -84,6 +110,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         kv_block_size=args.kv_block_size, num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, load_format=args.load_format,
+        speculative_config=args.speculative_config,
     )
 
 

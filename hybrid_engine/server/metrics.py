@@ -25,7 +25,10 @@ _STAT_COUNTERS = {
     "pauses": ("pauses", "Requests paused for lack of a free KV block."),
     "evictions": ("evictions", "Requests evicted (to be recomputed)."),
     "prefill_tokens": ("prefill_tokens", "Prompt (and recomputed) tokens processed."),
-    "decode_tokens": ("decode_tokens", "Decode tokens processed."),
+    "decode_tokens": ("decode_tokens", "Decode tokens processed (verified drafts included)."),
+    "spec_steps": ("spec_decode_steps", "Retired steps that verified speculative drafts."),
+    "spec_proposed_tokens": ("spec_decode_num_draft_tokens", "Speculative draft tokens verified."),
+    "spec_accepted_tokens": ("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted."),
 }
 _STAT_GAUGES = {
     "running": ("num_requests_running", "Requests in the running batch."),
@@ -60,6 +63,10 @@ class _EngineStatsCollector(Collector):
             else:
                 # Keys the engine adds later still show up, untyped, rather than vanish.
                 yield GaugeMetricFamily(f"{PREFIX}_engine_{key}", f"LLMEngine.stats()['{key}']", value=value)
+        if stats.get("spec_proposed_tokens"):
+            yield GaugeMetricFamily(f"{PREFIX}_spec_decode_draft_acceptance_rate",
+                                    "Accepted / verified speculative draft tokens (0..1).",
+                                    value=stats["spec_accepted_tokens"] / stats["spec_proposed_tokens"])
         for used_name, free, total in (("kv_cache_usage", "free_kv_blocks", "total_kv_blocks"),
                                        ("mamba_slot_usage", "free_mamba_slots", "total_mamba_slots")):
             if stats.get(total):

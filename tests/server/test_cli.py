@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from hybrid_engine.server.cli import parse_args
+from hybrid_engine.server.cli import engine_config, parse_args
 from tests.models.conftest import make_hf_checkpoint
 from tests.server.conftest import SERVE_SCRIPT, free_port
 
@@ -92,3 +92,16 @@ def test_server_limit_defaults():
     limits = parse_args([]).limits
     assert (limits.max_request_body_bytes, limits.max_connections, limits.timeout_keep_alive,
             limits.request_read_timeout) == (8 * 1024 * 1024, 2048, 5.0, 30.0)
+
+
+def test_speculative_config_flag(capsys):
+    args = parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert engine_config(args).speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
+    assert engine_config(parse_args([])).speculative_config is None
+    for value, message in [("{not json", "must be a JSON object"), ("[1]", "must be a JSON object"),
+                           ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+                           ('{"method": "proposer", "num_speculative_tokens": 2}', "use the library")]:
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args(["--speculative-config", value])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err

@@ -1,9 +1,12 @@
-"""/metrics counts what happened: tokens, requests, engine steps, and pool usage while a
-request runs (docs/server.md, "Metrics")."""
+"""/metrics counts what happened: tokens, requests, engine steps, pool usage while a
+request runs, and speculative drafts (docs/server.md, "Metrics")."""
 import httpx
 import pytest
 
-from tests.server.conftest import FaultyEngine, Server, wait_until
+from hybrid_engine import SamplingParams
+from hybrid_engine.config import EngineConfig
+from hybrid_engine.engine import LLMEngine
+from tests.server.conftest import MAX_MODEL_LEN, FaultyEngine, Server, serve_in_thread, wait_until
 
 PROMPT = [1, 2, 3, 4, 5]
 MAX_TOKENS = 7
@@ -54,3 +57,26 @@ def test_usage_gauges_follow_a_running_request(server: Server, engine_switches: 
     wait_until(server.idle_and_free, what="the request's blocks and slot to be freed")
     m = server.metrics()
     assert m["hybrid_engine_kv_cache_usage"] == 0 and m["hybrid_engine_mamba_slot_usage"] == 0
+
+
+def test_speculative_decoding_counters():
+    """A server with n-gram speculation: /metrics has the drafts verified and accepted (as
+    the engine counted them) and their ratio, and the text equals a plain engine's."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    config = EngineConfig(device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, speculative_config=spec)
+    prompt = "abcabcabcabcabc"
+    body = {"prompt": prompt, "max_tokens": 24, "ignore_eos": True, "temperature": 0.0}
+    plain = LLMEngine(EngineConfig(device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN))
+    plain.add_request("r", prompt, SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0))
+    while plain.has_unfinished_requests():
+        outputs = plain.step()
+    with serve_in_thread(lambda: LLMEngine(config)) as spec_server:
+        r = httpx.post(f"{spec_server.url}/v1/completions", timeout=60, json=body)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == outputs[0].text
+        wait_until(spec_server.idle_and_free, what="the request done")
+        metrics, stats = spec_server.metrics(), spec_server.engine.stats()
+    proposed = metrics["hybrid_engine_spec_decode_num_draft_tokens_total"]
+    accepted = metrics["hybrid_engine_spec_decode_num_accepted_tokens_total"]
+    assert (proposed, accepted) == (stats["spec_proposed_tokens"], stats["spec_accepted_tokens"]) and proposed > 0
+    assert metrics["hybrid_engine_spec_decode_steps_total"] == stats["spec_steps"] > 0
+    assert metrics["hybrid_engine_spec_decode_draft_acceptance_rate"] == pytest.approx(accepted / proposed)
