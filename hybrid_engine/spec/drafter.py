@@ -4,8 +4,11 @@ It builds the context the proposer sees (prompt, output, and under launch-ahead 
 still in flight), bounds and checks what comes back, isolates proposer failures to the
 request that hit them, and backs off a request whose drafts keep being rejected: a verify
 row whose drafts are all rejected costs a wider step for nothing, and under launch-ahead
-also the row launched on top of it. Drafts never change a request's tokens (verification
-is exact), only how many steps it takes.
+also the row launched on top of it. For the same reason, a row launched on top of an
+in-flight verify row gets drafts only when the request's drafts have been trusted lately
+(its last verify row accepted one): on an untrusted verify it stays a one-token row, cheap
+to reject. Drafts never change a request's tokens (verification is exact), only how many
+steps it takes.
 """
 import logging
 import weakref
@@ -28,6 +31,7 @@ MAX_BACKOFF_ROWS = 256
 class _DraftHistory:
     misses: int = 0  # consecutive verify rows with no draft accepted
     skip: int = 0  # decode rows left before drafting again
+    trusted: bool = False  # the request's last verify row accepted a draft
     warned: bool = False  # a proposer failure was logged for this request
 
 
@@ -54,6 +58,8 @@ class Drafter:
         if history.skip:
             history.skip -= 1
             return []
+        if input_in_flight and request.inflight_drafts and not history.trusted:
+            return []  # launched on an untrusted verify row: likely rejected, so kept narrow
         context = request.prompt_token_ids + request.output_token_ids
         if input_in_flight:
             context = context + request.inflight_drafts
@@ -91,7 +97,10 @@ class Drafter:
         history = self._history.get(request)
         if history is None:
             return
-        if num_accepted or not num_proposed:
+        if not num_proposed:
+            return
+        history.trusted = num_accepted > 0
+        if num_accepted:
             history.misses = 0
             return
         history.misses += 1
