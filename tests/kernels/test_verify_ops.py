@@ -31,6 +31,18 @@ def _slots(in_place: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return src.cuda(), dst.T.contiguous().cuda()
 
 
+def _check_against_reference(fused, ref, pool, dst, y, y_ref, dtype) -> None:
+    """States and outputs match the reference ops; slots not written are untouched; the
+    padding row and padding positions output zeros."""
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fused, ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(y.float(), y_ref.float(), atol=tol, rtol=tol)
+    written = set(dst[dst >= 0].tolist())
+    untouched = [s for s in range(SLOTS) if s not in written]
+    assert torch.equal(fused[untouched], pool[untouched])
+    assert not y[3].any() and not y[1, 2:].any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("in_place", [False, True])
 def test_ssm_state_verify(dtype, in_place):
@@ -48,13 +60,7 @@ def test_ssm_state_verify(dtype, in_place):
         chained, x[:, j], dt[:, j], a, b[:, j], c[:, j], d, s, t, dt_bias)), dim=1)
     y_ref = reference.ssm_state_verify(ref, x, dt, a, b, c, d, src, dst, dt_bias)
     assert torch.equal(fused, chained) and torch.equal(y, y_chained)
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(fused, ref, atol=tol, rtol=tol)
-    torch.testing.assert_close(y.float(), y_ref.float(), atol=tol, rtol=tol)
-    written = set(dst[dst >= 0].tolist())
-    untouched = [s for s in range(SLOTS) if s not in written]
-    assert torch.equal(fused[untouched], pool[untouched])
-    assert not y[3].any() and not y[1, 2:].any()
+    _check_against_reference(fused, ref, pool, dst, y, y_ref, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -75,10 +81,4 @@ def test_causal_conv1d_verify(dtype, in_place):
     assert torch.equal(fused, chained)  # the states: bit for bit
     # The outputs sum the same products; a compiler may order the K-tap sum differently.
     torch.testing.assert_close(y, y_chained, atol=1e-6, rtol=1e-6)
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(fused, ref, atol=tol, rtol=tol)
-    torch.testing.assert_close(y.float(), y_ref.float(), atol=tol, rtol=tol)
-    written = set(dst[dst >= 0].tolist())
-    untouched = [s for s in range(SLOTS) if s not in written]
-    assert torch.equal(fused[untouched], pool[untouched])
-    assert not y[3].any() and not y[1, 2:].any()
+    _check_against_reference(fused, ref, pool, dst, y, y_ref, dtype)
