@@ -23,8 +23,9 @@ class HybridForCausalLM(nn.Module):
     """A hybrid decoder whose kernel-calling layers all run the op set `ops` given here.
 
     A family subclass sets `block` (built as `block(config, layer_kind, ops=ops)`, called as
-    `block(h, meta)`) and the checkpoint names of its embedding table and final norm; it
-    overrides `embed` / `compute_logits` where its model scales them.
+    `block(x, residual, meta) -> (output, residual)`, see `forward`) and the checkpoint names
+    of its embedding table and final norm; it overrides `embed` / `compute_logits` /
+    `branch_scale` where its model scales them.
     """
 
     block: type[nn.Module]
@@ -43,11 +44,24 @@ class HybridForCausalLM(nn.Module):
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm for the packed step tokens."""
-        h = self.embed(input_ids)
+        """Hidden states [T, hidden] after the final norm for the packed step tokens.
+
+        The residual stream travels beside the blocks' outputs, so that every residual add
+        is fused into the norm after it (`KernelOps.add_rms_norm`): a block takes the
+        previous block's last branch output x, not yet added, and the stream before it
+        (None before the first block: x is then the embeddings), and returns the same pair;
+        the final norm adds the last output. The sums are the ones of `h = h + branch(h)`.
+        """
+        x, residual = self.embed(input_ids), None
         for layer in self.model.layers:
-            h = layer(h, meta)
-        return getattr(self.model, self.final_norm_name)(h)
+            x, residual = layer(x, residual, meta)
+        normed, _ = getattr(self.model, self.final_norm_name)(x, residual, self.branch_scale())
+        return normed
+
+    def branch_scale(self) -> float | None:
+        """The factor each block branch's output is multiplied by before its residual add
+        (None: added as it is)."""
+        return None
 
     def input_embeddings(self) -> nn.Embedding:
         """The token embedding table."""

@@ -22,7 +22,8 @@ _HF_INTERNAL_NAMES = {
 
 
 class GraniteBlock(nn.Module):
-    """norm -> mixer -> scaled residual; norm -> MoE + shared MLP -> scaled residual."""
+    """scaled residual add + norm (fused) -> mixer; scaled residual add + norm -> MoE +
+    shared MLP."""
 
     def __init__(self, c: HybridConfig, kind: str, *, ops: KernelOps):
         super().__init__()
@@ -40,15 +41,25 @@ class GraniteBlock(nn.Module):
         )
         self.shared_mlp = SwiGLUMLP(c.hidden_size, c.intermediate_size)
 
-    def forward(self, h: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
-        mixer = self.mamba if self.kind == "mamba" else self.self_attn
-        h = h + mixer(self.input_layernorm(h), meta) * self.residual_multiplier
-        x = self.post_attention_layernorm(h)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: ForwardMeta) -> tuple[torch.Tensor, torch.Tensor]:
+        """Adds x (the previous block's feed-forward output, scaled; the embeddings as they
+        are when residual is None) to the residual stream, returns (this block's
+        feed-forward output, unscaled, the stream it is to be added to)."""
+        scale = None if residual is None else self.residual_multiplier
+        normed, residual = self.input_layernorm(x, residual, scale)
+        normed, residual = self.post_attention_layernorm(self.mix(normed, meta), residual, self.residual_multiplier)
+        return self.feed_forward(normed), residual
+
+    def mix(self, x: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
+        """The mixer's output (Mamba-2 or attention) for the normed hidden states x."""
+        return (self.mamba if self.kind == "mamba" else self.self_attn)(x, meta)
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """MoE + shared MLP (or the dense MLP alone) for the normed hidden states x."""
         if self.block_sparse_moe is not None:  # the shared MLP runs inside the experts' kernels
-            ff = self.block_sparse_moe(x, shared=self.shared_mlp)
-        else:
-            ff = self.shared_mlp(x)
-        return h + ff * self.residual_multiplier
+            return self.block_sparse_moe(x, shared=self.shared_mlp)
+        return self.shared_mlp(x)
 
 
 class GraniteMoeHybridForCausalLM(HybridForCausalLM):
@@ -64,6 +75,9 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return (self.lm_head(hidden) / self.config.logits_scaling).float()
+
+    def branch_scale(self) -> float | None:
+        return self.config.residual_multiplier
 
     def normalize_checkpoint_name(self, name: str) -> str | None:
         name = super().normalize_checkpoint_name(name)

@@ -13,7 +13,7 @@ from layers.norms import RMSNorm
 
 
 class NemotronHBlock(nn.Module):
-    """norm -> mixer -> residual add."""
+    """residual add + norm (fused) -> mixer."""
 
     def __init__(self, c: HybridConfig, kind: str, *, ops: KernelOps):
         super().__init__()
@@ -31,9 +31,16 @@ class NemotronHBlock(nn.Module):
                                       c.routed_scaling_factor, c.moe_latent_size, bias=c.mlp_bias, ops=ops)
         self.needs_meta = kind in ("mamba", "attention")
 
-    def forward(self, h: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
-        x = self.norm(h)
-        return h + (self.mixer(x, meta) if self.needs_meta else self.mixer(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: ForwardMeta) -> tuple[torch.Tensor, torch.Tensor]:
+        """Adds x (the previous block's output) to the residual stream, returns (this
+        block's mixer output, the stream it is to be added to)."""
+        normed, residual = self.norm(x, residual)
+        return self.mix(normed, meta), residual
+
+    def mix(self, x: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
+        """The mixer's output for the normed hidden states x."""
+        return self.mixer(x, meta) if self.needs_meta else self.mixer(x)
 
 
 class NemotronHForCausalLM(HybridForCausalLM):

@@ -12,7 +12,9 @@ Conventions shared by the ops:
   `dst_slots[s]` (equal: in place; different: ping-pong, the old state stays intact). A
   row's dst must not be another row's src. Slot -1 marks padding: no state read or written.
 - Mamba-2 shapes: H heads of P channels, G groups of B/C with state size N, SSM state
-  [slots, H, P, N] float32, conv state [slots, D, K-1] (the last K-1 inputs, oldest first).
+  [slots, H, P, N] float32 or `mamba_ssm_cache_dtype` (loaded as float32, computed in
+  float32, rounded once when stored), conv state [slots, D, K-1] (the last K-1 inputs,
+  oldest first).
 """
 from typing import Protocol, runtime_checkable
 
@@ -27,6 +29,15 @@ class KernelOps(Protocol):
         """RMSNorm over the last dim with float32 statistics. `weight_in_fp32`: multiply by
         the weight in float32, then cast to x's dtype (NemotronH); else cast first and
         multiply in torch's promoted dtype (Granite)."""
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                     weight_in_fp32: bool = True,
+                     residual_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A residual add and the RMSNorm after it: returns (rms_norm(new_residual), new_residual)
+        with new_residual = residual + x * residual_scale, each step rounded to the activation
+        dtype as the separate torch ops round it (the scaled x, then the sum), and the norm
+        exactly `rms_norm`'s. x, residual: same shape and dtype. residual None: x starts the
+        residual stream (new_residual is x; `residual_scale` must then be None)."""
 
     def gated_rms_norm(self, x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
                        group_size: int) -> torch.Tensor:

@@ -108,10 +108,13 @@ def _fake_norm_family() -> types.ModuleType:
     def rms_norm(x, weight, eps, weight_in_fp32=True):
         raise AssertionError("not called")
 
+    def add_rms_norm(x, residual, weight, eps, weight_in_fp32=True, residual_scale=None):
+        raise AssertionError("not called")
+
     def gated_rms_norm(x, z, weight, eps, group_size):
         raise AssertionError("not called")
 
-    for func in (rms_norm, gated_rms_norm):
+    for func in (rms_norm, add_rms_norm, gated_rms_norm):
         func.__module__ = module.__name__
         setattr(module, func.__name__, func)
     return module
@@ -129,8 +132,9 @@ def test_cuda_choice_per_family_and_env_read_each_time(monkeypatch: pytest.Monke
 
     chosen = select_ops("cuda")
     assert chosen.name == "fast"
-    assert chosen.rms_norm is fake.rms_norm and chosen.gated_rms_norm is fake.gated_rms_norm
-    others = set(OP_NAMES) - {"rms_norm", "gated_rms_norm"}
+    norm_ops = fast.FAMILIES["norm"]
+    assert all(getattr(chosen, op) is getattr(fake, op) for op in norm_ops)
+    others = set(OP_NAMES) - set(norm_ops)
     assert all(getattr(chosen, op) is getattr(reference, op) for op in others)
 
     monkeypatch.setenv(KERNELS_ENV, "reference")
