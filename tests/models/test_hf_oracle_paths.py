@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from hybrid_engine import LLM, SamplingParams
+from hybrid_engine.models.loader import read_config
 from tests.engine.engine_helpers import drive
 from tests.models.conftest import hf_greedy, make_hf_checkpoint
 from tests.spec.proposers import OracleProposer, PartialProposer
@@ -121,7 +122,7 @@ PATHS = {
     "spec-partial-serial-b16": Path(dict(kv_block_size=16, async_scheduling=False), TOGETHER,
                                     (_drafts_rejected, _serial), "partial"),
     "spec-partial-rejections-budget7-kv-pressure-b4": Path(
-        dict(kv_block_size=4, inject_rejection_rate=0.3, max_num_batched_tokens=7, max_num_seqs=4, num_kv_blocks=14),
+        dict(kv_block_size=4, inject_rejection_rate=0.3, max_num_batched_tokens=7, max_num_seqs=4, num_kv_blocks=13),
         STAGGERED, (_drafts_rejected, _rejected_and_restored, _paused), "partial"),
     "spec-ngram-async-b16": Path(dict(kv_block_size=16), TOGETHER, (_launched_ahead,), "ngram"),
 }
@@ -133,7 +134,8 @@ def _speculative_config(oracle: Oracle, kind: str | None) -> dict | None:
     if kind == "ngram":
         return {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     truth = {f"r{i}": p + t for i, (p, t) in enumerate(zip(oracle.prompts, oracle.tokens))}
-    proposer = OracleProposer(truth) if kind == "oracle" else PartialProposer(truth, rate=0.3)
+    vocab_size = read_config(oracle.checkpoint)["vocab_size"]
+    proposer = OracleProposer(truth) if kind == "oracle" else PartialProposer(truth, rate=0.3, vocab_size=vocab_size)
     return {"method": "proposer", "proposer": proposer, "num_speculative_tokens": 4}
 
 

@@ -31,15 +31,16 @@ class AdversarialProposer(OracleProposer):
 
 
 class PartialProposer(OracleProposer):
-    """The oracle's drafts with each token replaced by a random one with probability `rate`."""
+    """The oracle's drafts with each token replaced by a random one of the vocabulary
+    ([0, vocab_size)) with probability `rate`."""
 
-    def __init__(self, truth: dict[str, list[int]], rate: float, seed: int = 0):
+    def __init__(self, truth: dict[str, list[int]], rate: float, seed: int = 0, vocab_size: int = 256):
         super().__init__(truth)
-        self.rate, self.rng = rate, random.Random(seed)
+        self.rate, self.rng, self.vocab_size = rate, random.Random(seed), vocab_size
 
     def propose(self, request_id: str, token_ids: list[int], num_tokens: int) -> list[int]:
         drafts = super().propose(request_id, token_ids, num_tokens)
-        return [self.rng.randrange(256) if self.rng.random() < self.rate else t for t in drafts]
+        return [self.rng.randrange(self.vocab_size) if self.rng.random() < self.rate else t for t in drafts]
 
 
 class RaisingProposer:
