@@ -44,14 +44,16 @@ class MambaStateAllocator:
 
     Storage is one tensor per state kind across all layers -- conv `[layers, slots,
     conv_dim, K-1]` in the model dtype, ssm `[layers, slots, heads, head_dim, state]` in
-    float32 -- so zeroing the slots handed to new requests is one batched op per kind.
+    `ssm_dtype` (float32 unless `mamba_ssm_cache_dtype` says otherwise; the ops compute in
+    float32 whatever it is) -- so zeroing the slots handed to new requests is one batched
+    op per kind.
     Each admitted request takes one row and `banks * row_positions` slots
     (`copies_per_request`).
     """
 
     def __init__(self, max_num_seqs: int, num_layers: int, conv_dim: int, conv_width: int, heads: int,
                  head_dim: int, state_size: int, conv_dtype: torch.dtype, device: torch.device,
-                 banks: int = 1, row_positions: int = 1):
+                 banks: int = 1, row_positions: int = 1, ssm_dtype: torch.dtype = torch.float32):
         if max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
         if banks not in (1, 2):
@@ -61,7 +63,7 @@ class MambaStateAllocator:
         self.max_num_seqs, self.banks, self.row_positions = max_num_seqs, banks, row_positions
         num_slots = max_num_seqs * self.copies_per_request
         self.conv_states = torch.zeros(num_layers, num_slots, conv_dim, conv_width, dtype=conv_dtype, device=device)
-        self.ssm_states = torch.zeros(num_layers, num_slots, heads, head_dim, state_size, dtype=torch.float32,
+        self.ssm_states = torch.zeros(num_layers, num_slots, heads, head_dim, state_size, dtype=ssm_dtype,
                                       device=device)
         # Stacks: the lowest index is handed out first (and a freed one reused first).
         self._free_rows: list[int] = list(range(max_num_seqs - 1, -1, -1))
@@ -165,8 +167,9 @@ class MambaStateAllocator:
 
     @staticmethod
     def bytes_per_seq(num_layers: int, conv_dim: int, conv_width: int, heads: int, head_dim: int, state_size: int,
-                      conv_dtype: torch.dtype, copies_per_request: int = 1) -> int:
+                      conv_dtype: torch.dtype, copies_per_request: int = 1,
+                      ssm_dtype: torch.dtype = torch.float32) -> int:
         """Device bytes one admitted request takes across all Mamba layers."""
         conv = conv_dim * conv_width * torch.empty((), dtype=conv_dtype).element_size()
-        ssm = heads * head_dim * state_size * 4
+        ssm = heads * head_dim * state_size * torch.empty((), dtype=ssm_dtype).element_size()
         return copies_per_request * num_layers * (conv + ssm)

@@ -7,6 +7,9 @@ import torch
 from hybrid_engine.spec.config import SpeculativeConfig
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "auto": None}
+# The SSM state pool's dtype ("auto": the checkpoint config's `mamba_ssm_cache_dtype`, else
+# float32 -- vLLM's NemotronH rule; float32 is the one known to cost no accuracy).
+MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -29,6 +32,7 @@ class EngineConfig:
     inject_rejection_rate: float = 0.0
     # Speculative decoding (off when None): a dict as `SpeculativeConfig.from_dict` takes it.
     speculative_config: dict[str, Any] | SpeculativeConfig | None = None
+    mamba_ssm_cache_dtype: str = "auto"  # resolved by the engine: see `resolve_mamba_ssm_cache_dtype`
 
     def resolve(self) -> "EngineConfig":
         """Validate and fill device-dependent defaults (raises ValueError naming the field)."""
@@ -39,6 +43,9 @@ class EngineConfig:
             raise ValueError("device='cuda' but no CUDA device is available")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.mamba_ssm_cache_dtype not in MAMBA_SSM_CACHE_DTYPES:
+            raise ValueError(f"mamba_ssm_cache_dtype must be one of {list(MAMBA_SSM_CACHE_DTYPES)}, "
+                             f"got {self.mamba_ssm_cache_dtype!r}")
         on_gpu = torch.device(device).type == "cuda"
         max_num_seqs = _default(self.max_num_seqs, 256 if on_gpu else 16)
         resolved = EngineConfig(
@@ -73,6 +80,20 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+
+def resolve_mamba_ssm_cache_dtype(requested: str, hf_config: dict) -> str:
+    """The SSM state pool's dtype name: `requested` unless "auto", then the checkpoint
+    config's `mamba_ssm_cache_dtype` (Nemotron-3 configs carry one), else "float32"."""
+    if requested != "auto":
+        return requested
+    value = hf_config.get("mamba_ssm_cache_dtype")
+    if value is None or value == "auto":
+        return "float32"
+    if value not in MAMBA_SSM_CACHE_DTYPES:
+        raise ValueError(f"config field 'mamba_ssm_cache_dtype' must be one of {list(MAMBA_SSM_CACHE_DTYPES[1:])}, "
+                         f"got {value!r}")
+    return value
 
 
 def _default(value, default):

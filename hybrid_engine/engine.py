@@ -27,7 +27,7 @@ import torch
 
 from cache.kv_cache import KVBlockAllocator
 from cache.mamba_cache import MambaStateAllocator
-from hybrid_engine.config import EngineConfig
+from hybrid_engine.config import DTYPES, EngineConfig, resolve_mamba_ssm_cache_dtype
 from hybrid_engine.cuda_graphs import DECODE_OPS, DecodeGraphs
 from hybrid_engine.detokenizer import IncrementalDetokenizer
 from hybrid_engine.gc_control import StepGarbageCollector
@@ -72,6 +72,8 @@ class LLMEngine:
         self.config = cfg = config.resolve()
         self.device = torch.device(cfg.device)
         hf_config, path, self.tokenizer, self.model_name, weight_seed = _resolve_model(cfg)
+        self.config = cfg = dataclasses.replace(
+            cfg, mamba_ssm_cache_dtype=resolve_mamba_ssm_cache_dtype(cfg.mamba_ssm_cache_dtype, hf_config))
         self.kernels = select_ops(self.device)
         self.model = load_model(hf_config, path, self.device, cfg.torch_dtype, cfg.load_format, weight_seed,
                                 ops=self.kernels)
@@ -94,7 +96,8 @@ class LLMEngine:
                                     kv_tokens=self.kv.num_blocks * cfg.kv_block_size)
         self.mamba = MambaStateAllocator(max_num_seqs, len(mc.mamba_layers), mc.mamba_conv_dim, mc.conv_kernel - 1,
                                          mc.mamba_num_heads, mc.mamba_head_dim, mc.ssm_state_size, cfg.torch_dtype,
-                                         self.device, banks=self.state_banks, row_positions=self.state_positions)
+                                         self.device, banks=self.state_banks, row_positions=self.state_positions,
+                                         ssm_dtype=DTYPES[cfg.mamba_ssm_cache_dtype])
         self.scheduler = Scheduler(self.kv, self.mamba, cfg.max_num_batched_tokens, self.max_model_len, self.drafter)
         self.runner = ModelRunner(self.model, self.kv, self.mamba, cfg.max_num_batched_tokens, self.max_model_len,
                                   self.device, max_drafts)
@@ -111,9 +114,10 @@ class LLMEngine:
                               prefill_tokens=0, decode_tokens=0, spec_steps=0, spec_proposed_tokens=0,
                               spec_accepted_tokens=0)
         logger.info(
-            "engine ready: model=%s device=%s dtype=%s kernels=%s capacity: %d concurrent requests, %d KV tokens "
-            "(%d blocks x %d)", self.model_name, self.device, cfg.dtype, self.kernels.name, max_num_seqs,
-            num_blocks * cfg.kv_block_size, num_blocks, cfg.kv_block_size,
+            "engine ready: model=%s device=%s dtype=%s mamba_ssm_cache_dtype=%s kernels=%s capacity: %d concurrent "
+            "requests, %d KV tokens (%d blocks x %d)", self.model_name, self.device, cfg.dtype,
+            cfg.mamba_ssm_cache_dtype, self.kernels.name, max_num_seqs, num_blocks * cfg.kv_block_size, num_blocks,
+            cfg.kv_block_size,
         )
 
     def _capture_graphs(self, max_num_seqs: int) -> None:
@@ -149,7 +153,8 @@ class LLMEngine:
         seq_bytes = MambaStateAllocator.bytes_per_seq(len(mc.mamba_layers), mc.mamba_conv_dim, mc.conv_kernel - 1,
                                                       mc.mamba_num_heads, mc.mamba_head_dim, mc.ssm_state_size,
                                                       cfg.torch_dtype,
-                                                      copies_per_request=self.state_banks * self.state_positions)
+                                                      copies_per_request=self.state_banks * self.state_positions,
+                                                      ssm_dtype=DTYPES[cfg.mamba_ssm_cache_dtype])
         # Activations of the largest step plus sampling scratch: a generous estimate.
         width = max(mc.hidden_size * 4, mc.mamba_d_ssm * 2 + mc.mamba_conv_dim, mc.intermediate_size,
                     mc.moe_intermediate_size * max(mc.top_k, 1))

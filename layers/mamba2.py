@@ -55,7 +55,7 @@ class Mamba2Mixer(nn.Module):
         self.norm.weight = nn.Parameter(torch.ones(self.d_ssm))
         self.out_proj = nn.Linear(self.d_ssm, hidden_size, bias=proj_bias)
         self.conv_state: torch.Tensor | None = None  # [slots, conv_dim, K-1]
-        self.ssm_state: torch.Tensor | None = None  # [slots, heads, head_dim, state] float32
+        self.ssm_state: torch.Tensor | None = None  # [slots, heads, head_dim, state] (mamba_ssm_cache_dtype)
 
     def _process_dt(self, dt: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
         dt = F.softplus(dt.float() + self.dt_bias.float())

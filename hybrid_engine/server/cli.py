@@ -12,7 +12,7 @@ from types import FrameType
 import torch
 import uvicorn
 
-from hybrid_engine.config import DTYPES, EngineConfig
+from hybrid_engine.config import DTYPES, MAMBA_SSM_CACHE_DTYPES, EngineConfig
 from hybrid_engine.engine import LLMEngine
 from hybrid_engine.server.api import build_app
 from hybrid_engine.server.async_llm import AsyncLLM
@@ -35,6 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: the engine's)")
     p.add_argument("--device", default=None, help="'cuda' or 'cpu' (default: cuda when available)")
     p.add_argument("--dtype", default="auto", choices=sorted(DTYPES))
+    p.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=MAMBA_SSM_CACHE_DTYPES,
+                   help="SSM state cache dtype (default: the checkpoint config's mamba_ssm_cache_dtype, else float32)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests in the running batch (Mamba slots)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step (default: max(8192 on CUDA / 2048 on CPU, --max-num-seqs))")
@@ -110,7 +112,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         kv_block_size=args.kv_block_size, num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, load_format=args.load_format,
-        speculative_config=args.speculative_config,
+        speculative_config=args.speculative_config, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
     )
 
 

@@ -210,3 +210,23 @@ def test_freed_before_zeroing_is_not_zeroed_twice():
     again = [m.allocate(), m.allocate()]
     new = m.take_new_slots()
     assert sorted(new) == sorted(slot for s in again for slot in s.ring) and len(new) == m.num_slots
+
+
+@pytest.mark.parametrize("ssm_dtype", [torch.bfloat16, torch.float16])
+def test_ssm_dtype_sets_the_ssm_pool_and_its_bytes(ssm_dtype):
+    """`mamba_ssm_cache_dtype`: the SSM pool takes its own dtype (conv keeps the model's),
+    `bytes_per_seq` counts it, and new slots are zeroed in it."""
+    m = MambaStateAllocator(3, LAYERS, CONV_DIM, CONV_W, HEADS, HEAD_DIM, STATE, torch.float32, torch.device("cpu"),
+                            banks=2, ssm_dtype=ssm_dtype)
+    assert m.ssm_states.dtype == ssm_dtype and m.conv_states.dtype == torch.float32
+    nbytes = sum(t.numel() * t.element_size() for t in (m.conv_states, m.ssm_states))
+    per_seq = MambaStateAllocator.bytes_per_seq(LAYERS, CONV_DIM, CONV_W, HEADS, HEAD_DIM, STATE, torch.float32,
+                                                copies_per_request=2, ssm_dtype=ssm_dtype)
+    assert nbytes == 3 * per_seq
+    fp32 = MambaStateAllocator.bytes_per_seq(LAYERS, CONV_DIM, CONV_W, HEADS, HEAD_DIM, STATE, torch.float32,
+                                             copies_per_request=2)
+    assert fp32 - per_seq == 2 * LAYERS * HEADS * HEAD_DIM * STATE * 2  # the SSM half: 2 of its 4 bytes
+    m.ssm_states.fill_(2.0)
+    state = m.allocate()
+    m.zero_slots(torch.tensor(m.take_new_slots(), dtype=torch.long))
+    assert not m.ssm_states[:, list(state.ring)].any() and (m.ssm_states[:, [2, 3, 4, 5]] == 2).all()

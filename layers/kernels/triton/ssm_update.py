@@ -144,10 +144,14 @@ def _ssm_verify_kernel(
         c = tl.load(c_ptr + row * stride_cb + j * stride_cw + group * stride_cg + n * stride_cn, mask=n_in,
                     other=0.0).to(tl.float32)
         state = state * tl.exp(dt * a) + (dt * x)[:, None] * b[None, :]
-        tl.store(state_ptr + tl.maximum(dst, 0).to(tl.int64) * stride_slot + tile,
-                 state.to(state_ptr.dtype.element_ty), mask=tile_in & live[:, None])
+        stored = state.to(state_ptr.dtype.element_ty)
+        tl.store(state_ptr + tl.maximum(dst, 0).to(tl.int64) * stride_slot + tile, stored,
+                 mask=tile_in & live[:, None])
         y = tl.sum(state * c[None, :], axis=1) + d_skip * x
         y = tl.where(live, y, 0.0)
+        # The next position starts from the state as stored (rounded to a bf16/fp16 pool's
+        # dtype), as a single-token step reading this slot would: both paths stay bitwise equal.
+        state = stored.to(tl.float32)
         tl.store(y_ptr + row * stride_yb + j * stride_yw + head * stride_yh + p * stride_yp,
                  y.to(y_ptr.dtype.element_ty), mask=p_in)
 

@@ -1,0 +1,287 @@
+"""`mamba_ssm_cache_dtype` (`LLM(...)` / `--mamba-ssm-cache-dtype`): validation, "auto"
+resolved from the checkpoint config, the SSM pool's dtype and the pool sizing, what a
+low-precision SSM cache does to outputs (measured bounds, not exact equality), and the
+state kernels computing in float32 while storing in the pool's dtype.
+
+The embedded model's random init leaves its SSM state ~1e-3 and its logits near-uniform,
+where any cache dtype looks free; the accuracy tests also run it *sharpened* (Mamba input
+projections x10, LM head x50: state O(1), mean greedy logprob -0.35), where bfloat16
+rounding visibly moves logprobs. The drift measurement is `scripts/bench_ssm_cache_dtype.py`'s.
+"""
+import importlib.util
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from cache.mamba_cache import MambaStateAllocator
+from hybrid_engine import LLM
+from hybrid_engine.config import EngineConfig, resolve_mamba_ssm_cache_dtype
+from hybrid_engine.models.embedded import EMBEDDED_CONFIG
+from hybrid_engine.models.presets import get_preset
+from hybrid_engine.server.cli import engine_config, parse_args
+from layers.kernels import reference as ref
+from layers.kernels.reference.conv1d import run_verify_positions
+from layers.mamba2 import Mamba2Mixer
+from tests.engine.engine_helpers import byte_prompt, greedy
+
+RUNS_IN_TRITON_INTERPRETER = True  # conftest: the kernel tests below also run with TRITON_INTERPRET=1
+
+_BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench_ssm_cache_dtype.py"
+_spec = importlib.util.spec_from_file_location("bench_ssm_cache_dtype", _BENCH)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+PROMPTS = [byte_prompt(12 + 3 * s, salt=s) for s in range(8)]
+
+
+def _llm(**kw) -> LLM:
+    return LLM(device="cpu", dtype="float32", **kw)
+
+
+def _sharpened(llm: LLM) -> LLM:
+    with torch.no_grad():
+        for module in llm.engine.model.modules():
+            if isinstance(module, Mamba2Mixer):
+                module.in_proj.weight.mul_(10)
+        llm.engine.model.lm_head.weight.mul_(50)
+    return llm
+
+
+def _checkpoint(tmp_path: Path, **fields) -> str:
+    """A config-only checkpoint directory of the embedded model (run with dummy weights)."""
+    (tmp_path / "config.json").write_text(json.dumps({**EMBEDDED_CONFIG, **fields}))
+    return str(tmp_path)
+
+
+# ---- the option ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", ["fp8", "bf16", "Float32", None])
+def test_bad_value_is_a_value_error_naming_the_field(value):
+    with pytest.raises(ValueError, match="mamba_ssm_cache_dtype"):
+        EngineConfig(mamba_ssm_cache_dtype=value).resolve()
+
+
+def test_bad_value_through_llm():
+    with pytest.raises(ValueError, match="mamba_ssm_cache_dtype must be one of"):
+        _llm(mamba_ssm_cache_dtype="int8")
+
+
+def test_server_flag():
+    assert engine_config(parse_args([])).mamba_ssm_cache_dtype == "auto"
+    assert engine_config(parse_args(["--mamba-ssm-cache-dtype", "bfloat16"])).mamba_ssm_cache_dtype == "bfloat16"
+    with pytest.raises(SystemExit):  # argparse: a usage error listing the choices
+        parse_args(["--mamba-ssm-cache-dtype", "fp8"])
+
+
+@pytest.mark.parametrize("requested,hf_config,expected", [
+    ("auto", {}, "float32"),
+    ("auto", {"mamba_ssm_cache_dtype": None}, "float32"),
+    ("auto", {"mamba_ssm_cache_dtype": "bfloat16"}, "bfloat16"),
+    ("auto", {"mamba_ssm_cache_dtype": "float16"}, "float16"),
+    ("float16", {"mamba_ssm_cache_dtype": "bfloat16"}, "float16"),  # an explicit value wins
+    ("bfloat16", {}, "bfloat16"),
+])
+def test_resolve(requested, hf_config, expected):
+    assert resolve_mamba_ssm_cache_dtype(requested, hf_config) == expected
+
+
+def test_resolve_reads_the_nemotron3_preset_key():
+    config = get_preset("nemotron-3-nano-30b-a3b")
+    assert config["mamba_ssm_cache_dtype"] == "float32"
+    assert resolve_mamba_ssm_cache_dtype("auto", {**config, "mamba_ssm_cache_dtype": "bfloat16"}) == "bfloat16"
+    assert resolve_mamba_ssm_cache_dtype("auto", config) == "float32"
+
+
+@pytest.mark.parametrize("option,dtype", [("auto", torch.float32), ("float32", torch.float32),
+                                          ("bfloat16", torch.bfloat16), ("float16", torch.float16)])
+def test_ssm_pool_takes_the_dtype_conv_pool_keeps_the_model_dtype(option, dtype):
+    engine = _llm(mamba_ssm_cache_dtype=option).engine
+    assert engine.mamba.ssm_states.dtype == dtype
+    assert engine.mamba.conv_states.dtype == torch.float32
+    assert engine.config.mamba_ssm_cache_dtype == str(dtype).removeprefix("torch.")
+
+
+def test_auto_reads_the_checkpoint_config(tmp_path):
+    model = _checkpoint(tmp_path, mamba_ssm_cache_dtype="bfloat16")
+    assert _llm(model=model, load_format="dummy").engine.mamba.ssm_states.dtype == torch.bfloat16
+    explicit = _llm(model=model, load_format="dummy", mamba_ssm_cache_dtype="float32")
+    assert explicit.engine.mamba.ssm_states.dtype == torch.float32
+
+
+def test_bad_checkpoint_value_is_a_value_error_naming_the_field(tmp_path):
+    model = _checkpoint(tmp_path, mamba_ssm_cache_dtype="fp8_e4m3")
+    with pytest.raises(ValueError, match="config field 'mamba_ssm_cache_dtype'"):
+        _llm(model=model, load_format="dummy")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_cache_admits_more_requests_on_cuda(tmp_path, monkeypatch):
+    """With a fixed memory budget, the default max_num_seqs shrinks to what the Mamba state
+    fits: a bfloat16 SSM cache (half the state bytes) admits about twice as many."""
+    model = _checkpoint(tmp_path, mamba_num_heads=32, mamba_head_dim=64, ssm_state_size=128, n_groups=8)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 << 30, 3 << 30))
+    seqs, seq_bytes = {}, {}
+    for option in ("float32", "bfloat16"):
+        engine = LLM(model=model, load_format="dummy", device="cuda", cuda_graphs=False, max_num_batched_tokens=1024,
+                     mamba_ssm_cache_dtype=option).engine
+        seqs[option] = engine.mamba.max_num_seqs
+        mc = engine.model_config
+        seq_bytes[option] = MambaStateAllocator.bytes_per_seq(
+            len(mc.mamba_layers), mc.mamba_conv_dim, mc.conv_kernel - 1, mc.mamba_num_heads, mc.mamba_head_dim,
+            mc.ssm_state_size, torch.bfloat16, copies_per_request=2, ssm_dtype=engine.mamba.ssm_states.dtype)
+        del engine
+    assert seqs["float32"] < seqs["bfloat16"] < 256, seqs
+    assert seqs["bfloat16"] / seqs["float32"] == pytest.approx(seq_bytes["float32"] / seq_bytes["bfloat16"], rel=0.02)
+
+
+# ---- what a low-precision cache does to outputs ------------------------------------------
+
+def test_bf16_cache_greedy_tokens_match_the_float32_cache():
+    """Embedded model as built: measured 100% equal tokens (8 x 48), logprobs within 2e-6
+    (before any difference); the drift is non-zero, so the bfloat16 pool is what ran."""
+    params = greedy(48, logprobs=0)
+    runs = {dtype: _llm(mamba_ssm_cache_dtype=dtype).generate(PROMPTS, params, use_tqdm=False)
+            for dtype in ("float32", "bfloat16")}
+    same = total = 0
+    drift = []
+    for a, b in zip(runs["float32"], runs["bfloat16"]):
+        equal = [x == y for x, y in zip(a.output_token_ids, b.output_token_ids)]
+        same, total = same + sum(equal), total + len(equal)
+        first = equal.index(False) if False in equal else len(equal)
+        drift += [abs(a.logprobs[i][t] - b.logprobs[i][t]) for i, t in enumerate(a.output_token_ids[:first])]
+    assert same / total >= 0.95
+    assert 0 < max(drift) < 1e-4
+
+
+def test_teacher_forced_drift_sharpened_model():
+    """On the sharpened model (measured, 8 x 64 tokens): bfloat16 max |dlogprob| 0.042,
+    mean 0.0032, forced greedy choices 99.8% equal, free-running tokens 96.9% equal; float16
+    max 0.0043. Forcing a run on its own tokens reproduces it exactly (drift 0), so the
+    measurement sees only what the cache dtype changes."""
+    reference_llm = _sharpened(_llm(async_scheduling=False))
+    reference = bench.greedy_traces(reference_llm, PROMPTS, 64)
+    tokens = [t.tokens for t in reference]
+    itself = bench.logprob_drift(reference, bench.greedy_traces(reference_llm, PROMPTS, 64, forced=tokens))
+    assert itself["max"] == 0 and itself["argmax_agree"] == 1
+    assert reference[0].logprobs[0] > -1  # sharpened: peaked logits
+
+    results = {}
+    for dtype in ("bfloat16", "float16"):
+        llm = _sharpened(_llm(async_scheduling=False, mamba_ssm_cache_dtype=dtype))
+        forced = bench.greedy_traces(llm, PROMPTS, 64, forced=tokens)
+        assert [t.tokens for t in forced] == tokens
+        results[dtype] = (bench.logprob_drift(reference, forced),
+                          bench.token_agreement(reference, bench.greedy_traces(llm, PROMPTS, 64)))
+    drift, free = results["bfloat16"]
+    assert 1e-3 < drift["max"] < 0.2 and drift["mean"] < 0.02 and drift["outside_top"] == 0
+    assert drift["argmax_agree"] >= 0.98 and free["agree"] >= 0.85
+    assert results["float16"][0]["max"] < drift["max"]  # 10 mantissa bits against 7
+
+
+def test_bf16_cache_keeps_output_independence():
+    """The invariants hold within a bfloat16 cache: launch-ahead with rejections and
+    speculative verify rows (every draft accepted) give the serial run's tokens."""
+    params = greedy(40)
+    serial = _sharpened(_llm(async_scheduling=False, mamba_ssm_cache_dtype="bfloat16"))
+    expected = [o.output_token_ids for o in serial.generate(PROMPTS[:4], params, use_tqdm=False)]
+    truth = {tuple(p): p + out for p, out in zip(PROMPTS[:4], expected)}
+
+    class Oracle:
+        def propose(self, request_id, token_ids, num_tokens):
+            full = next((f for f in truth.values() if f[:len(token_ids)] == token_ids), [])
+            return full[len(token_ids):len(token_ids) + num_tokens]
+
+    for kw in (dict(inject_rejection_rate=0.3),
+               dict(speculative_config={"method": "proposer", "num_speculative_tokens": 4, "proposer": Oracle()})):
+        llm = _sharpened(_llm(mamba_ssm_cache_dtype="bfloat16", **kw))
+        assert [o.output_token_ids for o in llm.generate(PROMPTS[:4], params, use_tqdm=False)] == expected, kw
+        if "speculative_config" in kw:
+            assert llm.engine.stats()["spec_accepted_tokens"] > 0
+
+
+# ---- the state kernels: float32 math, stored in the pool's dtype ---------------------------
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The interpreter converts float32 to bfloat16 by truncation (the GPU rounds to nearest):
+# float16 stands in for the low-precision pool there.
+LOW = torch.float16 if INTERPRET and not torch.cuda.is_available() else torch.bfloat16
+HEADS, HEAD_DIM, GROUPS, STATE = 4, 16, 2, 16
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _inputs(*lead: int):
+    gen = torch.Generator().manual_seed(math.prod(lead))
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(KERNEL_DEVICE)
+
+    return (randn(*lead, HEADS, HEAD_DIM), randn(*lead, HEADS, scale=2.0), -randn(HEADS).abs(),
+            randn(*lead, GROUPS, STATE), randn(*lead, GROUPS, STATE), randn(HEADS), randn(HEADS),
+            randn(24, HEADS, HEAD_DIM, STATE, scale=0.5).to(LOW))
+
+
+@pytest.mark.gpu
+def test_single_token_update_low_precision_pool():
+    triton_ssm = pytest.importorskip("layers.kernels.triton.ssm_update")
+    x, dt, a, b, c, d, dt_bias, pool = _inputs(6)
+    src = torch.arange(6, device=KERNEL_DEVICE)
+    src[2] = -1
+    dst = torch.where(src >= 0, src + 8, -1)
+    fast, expected = pool.clone(), pool.clone()
+    y = triton_ssm.ssm_state_update(fast, x, dt, a, b, c, d, src, dst, dt_bias)
+    y_ref = ref.ssm_state_update(expected, x, dt, a, b, c, d, src, dst, dt_bias)
+    assert fast.dtype == LOW
+    assert _rel(y, y_ref) < 1e-5  # from the float32 state, before it is stored
+    written = dst[dst >= 0]
+    assert _rel(fast[written], expected[written]) < 1e-2  # both round float32 math to the pool dtype
+    untouched = torch.ones(len(pool), dtype=torch.bool, device=KERNEL_DEVICE)
+    untouched[written] = False
+    assert torch.equal(fast[untouched], pool[untouched])
+
+
+@pytest.mark.gpu
+def test_verify_rows_round_the_carried_state_like_single_token_steps():
+    """A verify row carries its state across positions in registers; with a low-precision
+    pool it continues from the stored (rounded) state, so it equals single-token steps
+    chained position by position bit for bit, and the reference ops to rounding."""
+    triton_ssm = pytest.importorskip("layers.kernels.triton.ssm_update")
+    rows, width = 3, 4
+    x, dt, a, b, c, d, dt_bias, pool = _inputs(rows, width)
+    src = torch.arange(rows, device=KERNEL_DEVICE)
+    dst = torch.stack([8 + width * i + torch.arange(width, device=KERNEL_DEVICE) for i in range(rows)]).T.contiguous()
+    fused, chained, expected = pool.clone(), pool.clone(), pool.clone()
+    y = triton_ssm.ssm_state_verify(fused, x, dt, a, b, c, d, src, dst, dt_bias)
+    y_chained = torch.stack(run_verify_positions(src, dst, lambda j, s, t: triton_ssm.ssm_state_update(
+        chained, x[:, j], dt[:, j], a, b[:, j], c[:, j], d, s, t, dt_bias)), dim=1)
+    y_ref = ref.ssm_state_verify(expected, x, dt, a, b, c, d, src, dst, dt_bias)
+    assert torch.equal(fused, chained) and torch.equal(y, y_chained)
+    assert _rel(fused, expected) < 1e-2 and _rel(y, y_ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRET and not torch.cuda.is_available(), reason="the SSD kernel fails in the interpreter")
+def test_ssd_scan_low_precision_pool():
+    """Prefill: the scan reads the initial state from the pool as float32 and stores the
+    final one in the pool's dtype."""
+    triton_ssd = pytest.importorskip("layers.kernels.triton.ssd")
+    lens = [5, 40, 70]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=KERNEL_DEVICE)
+    x, dt, a, b, c, d, _, pool = _inputs(sum(lens))
+    dt = dt.abs() * 0.1
+    src, dst = torch.tensor([0, 1, 2], device=KERNEL_DEVICE), torch.tensor([3, 4, 5], device=KERNEL_DEVICE)
+    fast, expected = pool.clone(), pool.clone()
+    y = triton_ssd.ssd_chunk_scan_varlen(x, dt, a, b, c, d, cu, fast, src, dst)
+    y_ref = ref.ssd_chunk_scan_varlen(x, dt, a, b, c, d, cu, expected, src, dst)
+    assert _rel(y, y_ref) < 1e-4
+    assert _rel(fast[3:6], expected[3:6]) < 1e-2
+    assert torch.equal(fast[:3], pool[:3]) and torch.equal(fast[6:], pool[6:])
