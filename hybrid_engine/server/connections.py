@@ -121,24 +121,26 @@ class GuardedH11Protocol(H11Protocol):
 
     # ---- half-close --------------------------------------------------------------------
     def eof_received(self) -> bool | None:
-        """EOF after a complete request whose response has not started: maybe a half-close,
+        """EOF after a complete request whose response is not complete: maybe a half-close,
         so the socket stays open for the response while `_check_peer` finds out whether the
-        client is still there. Any other EOF (mid-request, mid-response, idle) closes the
-        connection, which aborts a request in progress."""
+        client is still there (whether or not the response has started: the EOF can reach
+        the server after a stream's first bytes). Any other EOF (mid-request, idle) closes
+        the connection, which aborts a request in progress."""
         cycle = self.cycle
-        if (cycle is None or cycle.response_started or cycle.response_complete
+        if (cycle is None or cycle.response_complete
                 or self.conn.their_state not in (h11.DONE, h11.MUST_CLOSE)):
             return None
         self._peer_closed = True
         # TCP cannot tell shutdown(SHUT_WR) from close() until data is sent: a closed socket
-        # answers data with a reset. An interim "100 Continue" is the one thing HTTP/1.1
-        # lets a server send before its response, and clients skip it (none to HTTP/1.0
-        # clients, which are then answered whether or not they are still there).
-        if self.conn.their_http_version != b"1.0":
+        # answers data with a reset. A started response sends data anyway; before it, an
+        # interim "100 Continue" is the one thing HTTP/1.1 lets a server send, and clients
+        # skip it (none to HTTP/1.0 clients, which are then answered whether or not they
+        # are still there).
+        if not cycle.response_started and self.conn.their_http_version != b"1.0":
             self.transport.write(self.conn.send(h11.InformationalResponse(status_code=100, headers=[],
                                                                           reason=b"Continue")))
             cycle.waiting_for_100_continue = False
-            self._peer_check = self.loop.call_later(HALF_CLOSE_CHECK_S, self._check_peer)
+        self._peer_check = self.loop.call_later(HALF_CLOSE_CHECK_S, self._check_peer)
         return True
 
     def _check_peer(self) -> None:

@@ -139,15 +139,18 @@ def test_connections_beyond_the_open_file_limit_are_closed_at_once(capped):
 @pytest.mark.parametrize("stream", [False, True], ids=["non-streamed", "streamed"])
 def test_half_closed_client_gets_the_whole_response(server: Server, stream):
     """shutdown(SHUT_WR) right after the request: the response still comes in full (after an
-    interim 100 Continue, the server's probe that the client is still there), then the server
-    closes the connection."""
+    interim 100 Continue, the server's probe that the client is still there, if the response
+    had not started), then the server closes the connection."""
     body = {"prompt": "half", "max_tokens": 20, "ignore_eos": True, "stream": stream}
     with raw_connect(server.url) as sock:
         sock.sendall(json_request("/v1/completions", body))
         sock.shutdown(socket.SHUT_WR)
         r = read_response(sock)
         assert sock.recv(1) == b""
-    assert r.status == 200 and r.interim == [100]
+    assert r.status == 200
+    # The server probes with an interim 100 Continue when the EOF came before the response
+    # started (a stream may start first).
+    assert r.interim == [100] or (stream and r.interim == [])
     if stream:
         events = [line.removeprefix(b"data: ") for line in r.body.split(b"\n\n") if line]
         assert events[-1] == b"[DONE]"
