@@ -79,6 +79,16 @@ class GuardedH11Protocol(H11Protocol):
         self._refused = False  # closed at accept: over the hard cap
         self._peer_closed = False  # EOF after the request: the client shut down its sending side, or left
         self._peer_check: asyncio.TimerHandle | None = None
+        self._streaming = False  # the response in progress is an event stream (SSE)
+        send = self.conn.send
+
+        def noting_send(event: h11.Event) -> bytes | None:
+            if isinstance(event, h11.Response):
+                self._streaming = any(name.lower() == b"content-type" and value.startswith(b"text/event-stream")
+                                      for name, value in event.headers)
+            return send(event)
+
+        self.conn.send = noting_send
 
     # ---- accept and close --------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -123,23 +133,27 @@ class GuardedH11Protocol(H11Protocol):
     def eof_received(self) -> bool | None:
         """EOF after a complete request whose response is not complete: maybe a half-close,
         so the socket stays open for the response while `_check_peer` finds out whether the
-        client is still there (whether or not the response has started: the EOF can reach
-        the server after a stream's first bytes). Any other EOF (mid-request, idle) closes
-        the connection, which aborts a request in progress."""
+        client is still there. The EOF can reach the server before the response starts or
+        after an event stream's first bytes. Any other EOF (mid-request, idle, during a
+        non-streamed response's single write) closes the connection, which aborts a request
+        in progress."""
         cycle = self.cycle
-        if (cycle is None or cycle.response_complete
+        if (cycle is None or cycle.response_complete or (cycle.response_started and not self._streaming)
                 or self.conn.their_state not in (h11.DONE, h11.MUST_CLOSE)):
             return None
         self._peer_closed = True
         # TCP cannot tell shutdown(SHUT_WR) from close() until data is sent: a closed socket
-        # answers data with a reset. A started response sends data anyway; before it, an
-        # interim "100 Continue" is the one thing HTTP/1.1 lets a server send, and clients
-        # skip it (none to HTTP/1.0 clients, which are then answered whether or not they
-        # are still there).
+        # answers data with a reset. Before the response, an interim "100 Continue" is the
+        # one thing HTTP/1.1 lets a server send, and clients skip it (none to HTTP/1.0
+        # clients, which are then answered whether or not they are still there); in an
+        # event stream, an SSE comment line, which clients skip too. Both go between whole
+        # messages: the app writes each event in one piece.
         if not cycle.response_started and self.conn.their_http_version != b"1.0":
             self.transport.write(self.conn.send(h11.InformationalResponse(status_code=100, headers=[],
                                                                           reason=b"Continue")))
             cycle.waiting_for_100_continue = False
+        elif cycle.response_started:
+            self.transport.write(self.conn.send(h11.Data(data=b": connection check\n\n")))
         self._peer_check = self.loop.call_later(HALF_CLOSE_CHECK_S, self._check_peer)
         return True
 

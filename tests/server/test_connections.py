@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from hybrid_engine.server.connections import MAX_HEAD_BYTES, RESERVED_FDS
-from tests.server.conftest import (Server, json_request, raw_connect, read_response, request_head,
+from tests.server.conftest import (FaultyEngine, Server, json_request, raw_connect, read_response, request_head,
                                    start_subprocess_server, wait_until)
 
 MAX_CONNECTIONS = 4
@@ -152,7 +152,8 @@ def test_half_closed_client_gets_the_whole_response(server: Server, stream):
     # started (a stream may start first).
     assert r.interim == [100] or (stream and r.interim == [])
     if stream:
-        events = [line.removeprefix(b"data: ") for line in r.body.split(b"\n\n") if line]
+        # (an SSE comment, the server's probe when the stream had started, is not an event)
+        events = [line.removeprefix(b"data: ") for line in r.body.split(b"\n\n") if line and not line.startswith(b":")]
         assert events[-1] == b"[DONE]"
         choices = [json.loads(e)["choices"] for e in events[:-1]]
         assert [c[0]["finish_reason"] for c in choices if c][-1] == "length"
@@ -173,3 +174,24 @@ def test_oversized_request_head_is_a_json_400(server: Server):
         sock.sendall(PARTIAL_HEAD + b"x-padding: " + b"a" * MAX_HEAD_BYTES)
         r = read_response(sock)
     assert r.status == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_half_close_after_the_stream_started_still_gets_the_rest(server: Server, engine_switches: FaultyEngine):
+    """The stream's first event is already out when the client shuts down its sending side:
+    the server probes with an SSE comment (which clients skip) and streams the rest."""
+    engine_switches.step_delay = 0.02
+    body = {"prompt": "half", "max_tokens": 20, "ignore_eos": True, "stream": True}
+    with raw_connect(server.url) as sock:
+        sock.sendall(json_request("/v1/completions", body))
+        received = b""
+        while b"data: " not in received:
+            received += sock.recv(65536)
+        sock.shutdown(socket.SHUT_WR)
+        while chunk := sock.recv(65536):
+            received += chunk
+    assert b": connection check" in received
+    assert received.rstrip().endswith(b"0") and b"data: [DONE]" in received  # chunked body ends
+    events = [json.loads(line.removeprefix(b"data: ")) for line in received.split(b"\n")
+              if line.startswith(b"data: {")]
+    assert [c["finish_reason"] for e in events for c in e["choices"]][-1] == "length"
+    assert sum(len(c["text"]) > 0 for e in events for c in e["choices"]) >= 1
