@@ -1,8 +1,9 @@
-"""scripts/bench_decode.py's floors, routing recorder and kernel attribution, on CPU with
-tiny models (the script itself needs a GPU)."""
-import importlib.util
+"""scripts/bench_decode.py's floors and routing recorder (decode_floors.py), kernel
+attribution (step_kernels.py) and results table, on CPU with tiny models (the script itself
+needs a GPU)."""
 import itertools
 import statistics
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,10 +16,15 @@ from layers.kernels import REFERENCE_OPS
 from layers.moe import GraniteMoE, NemotronHMoE
 from tests.models.conftest import make_hf_checkpoint
 
-_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_decode.py"
-_spec = importlib.util.spec_from_file_location("bench_decode", _SCRIPT)
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from bench_decode import floor_columns, print_table  # noqa: E402
+from decode_floors import (  # noqa: E402
+    RoutingRecorder, StepFloors, distinct_experts, expected_distinct_experts, measure_distinct_experts, moe_blocks,
+    step_floors, weight_bytes)
+from step_kernels import (  # noqa: E402
+    GLUE, LAYER, OUTSIDE, RANGE_PREFIX, UNATTRIBUTED, KernelRun, Span, count_kernels, profiled_step, profiler_ranges,
+    report_kernel_counts)
+from step_probe import checked_step, finish, start_decoding  # noqa: E402
 
 MOE_CHECKPOINTS = ("nemotron_moe_sharp", "granite_moe_rope_sharp")
 DENSE_CHECKPOINT = "granite_dense_nope"
@@ -58,15 +64,14 @@ def test_expected_distinct_experts_matches_enumeration(num_experts, top_k, batch
     pick `top_k` distinct experts (all choices equally likely)."""
     choices = list(itertools.combinations(range(num_experts), top_k))
     unions = [len(set().union(*picks)) for picks in itertools.product(choices, repeat=batch)]
-    assert bench.expected_distinct_experts(num_experts, top_k, batch) == pytest.approx(statistics.fmean(unions),
-                                                                                       rel=1e-12)
+    assert expected_distinct_experts(num_experts, top_k, batch) == pytest.approx(statistics.fmean(unions), rel=1e-12)
 
 
 def test_distinct_experts_hand_count():
     ids = torch.tensor([[0, 3], [3, 1], [0, 1], [7, 3]])
-    assert bench.distinct_experts(ids) == 4  # {0, 1, 3, 7}
-    assert bench.distinct_experts(ids[:3]) == 3  # {0, 1, 3}: padding rows sliced off are not counted
-    assert bench.distinct_experts(ids[:1]) == 2
+    assert distinct_experts(ids) == 4  # {0, 1, 3, 7}
+    assert distinct_experts(ids[:3]) == 3  # {0, 1, 3}: padding rows sliced off are not counted
+    assert distinct_experts(ids[:1]) == 2
 
 
 @pytest.mark.parametrize("name", MOE_CHECKPOINTS)
@@ -74,7 +79,7 @@ def test_weight_bytes_splits_out_the_routed_experts(checkpoint_llm, name):
     model = checkpoint_llm(name).engine.model
     params = dict(model.named_parameters())
     routed = [p for n, p in params.items() if n.endswith(ROUTED_EXPERT_SUFFIXES)]
-    weights = bench.weight_bytes(model)
+    weights = weight_bytes(model)
     assert weights.total == sum(p.numel() * p.element_size() for p in params.values())
     assert weights.non_expert == weights.total - sum(p.numel() * p.element_size() for p in routed)
     assert len(weights.moe_layers) == len(routed) // 2
@@ -91,16 +96,16 @@ def test_moe_active_floor_below_all_weights(checkpoint_llm, name):
     engine = checkpoint_llm(name).engine
     top_k, num_experts = engine.model.config.top_k, engine.model.config.num_experts
     # One token picks exactly top_k distinct experts in every MoE layer.
-    distinct = bench.measure_distinct_experts(checkpoint_llm(name), 1, 8)
-    assert distinct == [top_k] * len(bench.moe_blocks(engine.model))
-    floors = bench.step_floors(engine, 1, 20, distinct)
+    distinct = measure_distinct_experts(checkpoint_llm(name), 1, 8)
+    assert distinct == [top_k] * len(moe_blocks(engine.model))
+    floors = step_floors(engine, 1, 20, distinct)
     assert floors.all_weights == old_step_bytes(engine, 1, 20)
     assert floors.active < floors.all_weights
     assert floors.active == pytest.approx(floors.expected_active)  # at B = 1 the expectation is top_k
     # Three tokens: between top_k and min(E, 3 top_k) per layer; the state bytes grow with B.
-    distinct = bench.measure_distinct_experts(checkpoint_llm(name), 3, 8)
+    distinct = measure_distinct_experts(checkpoint_llm(name), 3, 8)
     assert all(top_k <= d <= min(num_experts, 3 * top_k) for d in distinct)
-    floors = bench.step_floors(engine, 3, 20, distinct)
+    floors = step_floors(engine, 3, 20, distinct)
     assert floors.all_weights == old_step_bytes(engine, 3, 20)
     assert floors.active <= floors.all_weights
     assert not engine.has_unfinished_requests()
@@ -108,8 +113,8 @@ def test_moe_active_floor_below_all_weights(checkpoint_llm, name):
 
 def test_dense_floor_unchanged(checkpoint_llm):
     llm = checkpoint_llm(DENSE_CHECKPOINT)
-    assert bench.measure_distinct_experts(llm, 2, 8) == []
-    floors = bench.step_floors(llm.engine, 2, 20, [])
+    assert measure_distinct_experts(llm, 2, 8) == []
+    floors = step_floors(llm.engine, 2, 20, [])
     assert floors.all_weights == floors.active == floors.expected_active == old_step_bytes(llm.engine, 2, 20)
 
 
@@ -125,7 +130,7 @@ def test_routing_recorder_keeps_the_routers_ids(make_block):
         for p in block.parameters():
             p.normal_(0.0, 0.3)
     x = torch.randn(5, 32)
-    with bench.RoutingRecorder(block) as recorder, torch.no_grad():
+    with RoutingRecorder(block) as recorder, torch.no_grad():
         out = block(x)
     assert block.ops is REFERENCE_OPS  # restored
     with torch.no_grad():
@@ -144,36 +149,35 @@ def test_profiler_ranges_mark_every_layer_part():
     llm = LLM(device="cpu", dtype="float32", max_num_seqs=2, max_model_len=64, cuda_graphs=False)  # embedded
     engine = llm.engine
     kinds = engine.model.config.layer_types
-    ids = bench.start_decoding(engine, 2, 8, "ranges")
-    with bench.profiler_ranges(engine.model), profile(activities=[ProfilerActivity.CPU]) as prof:
-        bench.checked_step(engine)
-    spans = bench.profiled_step(prof.events())[0]
-    assert sum(s.kind == bench.LAYER for s in spans) == len(kinds)
+    ids = start_decoding(engine, 2, 8, "ranges")
+    with profiler_ranges(engine.model), profile(activities=[ProfilerActivity.CPU]) as prof:
+        checked_step(engine)
+    spans = profiled_step(prof.events())[0]
+    assert sum(s.kind == LAYER for s in spans) == len(kinds)
     for kind in ("mamba", "attention", "mlp", "moe"):  # the embedded model has each twice or more
         assert sum(s.kind == kind for s in spans) == kinds.count(kind) >= 2
     with profile(activities=[ProfilerActivity.CPU]) as prof:  # hooks removed on exit
-        bench.checked_step(engine)
-    assert bench.profiled_step(prof.events())[0] == []
-    bench.finish(engine, ids)
+        checked_step(engine)
+    assert profiled_step(prof.events())[0] == []
+    finish(engine, ids)
     assert not engine.has_unfinished_requests()
 
 
 def test_count_kernels_attributes_by_launch_time():
-    S, K = bench.Span, bench.KernelRun
-    spans = [S(bench.LAYER, 0, 10), S("mamba", 1, 4), S("moe", 5, 9), S(bench.LAYER, 20, 30), S("mamba", 21, 25)]
+    S, K = Span, KernelRun
+    spans = [S(LAYER, 0, 10), S("mamba", 1, 4), S("moe", 5, 9), S(LAYER, 20, 30), S("mamba", 21, 25)]
     kernels = [K(2, 1.0), K(3, 2.0), K(4.5, 0.5), K(6, 4.0), K(12, 8.0), K(22, 1.5), K(26, 0.25), K(None, 3.0)]
-    c = bench.count_kernels(1, 2, spans, kernels, copies=2)
-    assert c.kernels == {"mamba": 3, "attention": 0, "moe": 1, "mlp": 0, bench.GLUE: 2, bench.OUTSIDE: 1,
-                         bench.UNATTRIBUTED: 1}
-    assert c.gpu_us["mamba"] == 4.5 and c.gpu_us[bench.GLUE] == 0.75 and c.gpu_us[bench.OUTSIDE] == 8.0
-    assert c.calls["mamba"] == 2 and c.calls["moe"] == 1 and c.calls[bench.GLUE] == 2
+    c = count_kernels(1, 2, spans, kernels, copies=2)
+    assert c.kernels == {"mamba": 3, "attention": 0, "moe": 1, "mlp": 0, GLUE: 2, OUTSIDE: 1, UNATTRIBUTED: 1}
+    assert c.gpu_us["mamba"] == 4.5 and c.gpu_us[GLUE] == 0.75 and c.gpu_us[OUTSIDE] == 8.0
+    assert c.calls["mamba"] == 2 and c.calls["moe"] == 1 and c.calls[GLUE] == 2
     assert c.total == 8 and c.in_layers == 6 and c.copies == 2
 
 
 @pytest.mark.parametrize("moe", [True, False])
 def test_table_rows_have_the_header_columns(moe, capsys):
-    floors = bench.StepFloors(3e9, 1e9, 1.5e9, (6, 8) if moe else (), (6.0, 7.0) if moe else ())
-    cols = bench.floor_columns(floors, bandwidth=1e12, step_ms=2.0)
+    floors = StepFloors(3e9, 1e9, 1.5e9, (6, 8) if moe else (), (6.0, 7.0) if moe else ())
+    cols = floor_columns(floors, bandwidth=1e12, step_ms=2.0)
     assert cols["roofline_ms"] == pytest.approx(3.0) and cols["vs_roofline"] == pytest.approx(2 / 3)
     if moe:
         assert cols["active_floor_ms"] == pytest.approx(1.0) and cols["vs_active_floor"] == pytest.approx(2.0)
@@ -182,7 +186,7 @@ def test_table_rows_have_the_header_columns(moe, capsys):
         assert "active_floor_ms" not in cols
     timed = dict(mode="async+graphs", batch=1, tok_s=100.0, itl_mean_ms=2.0, itl_p50_ms=2.0, itl_p99_ms=2.5,
                  gpu_idle=0.01, **cols)
-    bench.print_table([timed, dict(mode="HF transformers generate", batch=1, tok_s=10.0, itl_mean_ms=9.0)])
+    print_table([timed, dict(mode="HF transformers generate", batch=1, tok_s=10.0, itl_mean_ms=9.0)])
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 4
     assert {line.count("|") for line in lines} == {11 if moe else 7}
@@ -200,7 +204,7 @@ def _event(name, device, start, end, id=0, linked=0, annotation=False):
 def test_profiled_step_finds_kernel_launch_times():
     """Kernels get their launch call's host time (same correlation id), else the start of
     the op they are linked to; range annotations on the GPU and copies are not kernels."""
-    p = bench.RANGE_PREFIX
+    p = RANGE_PREFIX
     events = [
         _event(p + "layer", "cpu", 0, 10, id=1, annotation=True),
         _event(p + "moe", "cpu", 2, 8, id=2, annotation=True),
@@ -214,15 +218,15 @@ def test_profiled_step_finds_kernel_launch_times():
         _event("Memcpy HtoD (Pinned -> Device)", "cuda", 0, 1, id=105, linked=3),
         _event(p + "moe", "cuda", 20, 30, id=2, annotation=True),
     ]
-    spans, kernels, copies = bench.profiled_step(events)
-    assert spans == [bench.Span("layer", 0, 10), bench.Span("moe", 2, 8)]
-    assert kernels == [bench.KernelRun(3.5, 5), bench.KernelRun(9, 1), bench.KernelRun(2, 2), bench.KernelRun(None, 1)]
+    spans, kernels, copies = profiled_step(events)
+    assert spans == [Span("layer", 0, 10), Span("moe", 2, 8)]
+    assert kernels == [KernelRun(3.5, 5), KernelRun(9, 1), KernelRun(2, 2), KernelRun(None, 1)]
     assert copies == 1
-    c = bench.count_kernels(1, 1, spans, kernels, copies)
-    assert (c.kernels["moe"], c.kernels[bench.GLUE], c.kernels[bench.UNATTRIBUTED]) == (2, 1, 1)
+    c = count_kernels(1, 1, spans, kernels, copies)
+    assert (c.kernels["moe"], c.kernels[GLUE], c.kernels[UNATTRIBUTED]) == (2, 1, 1)
 
 
 def test_count_kernels_option_skips_without_cuda(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert bench.report_kernel_counts("unused", "unused", [1], 8) == []
+    assert report_kernel_counts("unused", "unused", [1], 8) == []
     assert "skipped: no CUDA" in capsys.readouterr().out
