@@ -71,7 +71,7 @@ def main() -> None:
         for batch in args.batches:
             run_batch(llm, batch, args.prompt_len, 4)
             r = run_batch(llm, batch, args.prompt_len, args.output_len)
-            r["gpu_idle"] = probe_decode(llm, batch, list(range(3, 3 + args.prompt_len)))["gpu_idle"]
+            r["gpu_idle"] = probe_decode(llm, batch, args.prompt_len)["gpu_idle"]
             if async_scheduling:
                 r["shadow_ms"] = shadow_cost_ms(llm, batch)
             results[(async_scheduling, batch)] = r
