@@ -61,11 +61,15 @@ class Drafter:
         if input_in_flight and request.inflight_drafts and not history.trusted:
             return []  # launched on an untrusted verify row: likely rejected, so kept narrow
         context = request.prompt_token_ids + request.output_token_ids
+        committed = len(context)
         if input_in_flight:
             context = context + request.inflight_drafts
         wanted = max_drafts + input_in_flight
         try:
-            proposed = self.proposer.propose(request.request_id, context, wanted)
+            if isinstance(self.proposer, NgramProposer):  # it indexes the committed tokens only
+                proposed = self.proposer.propose(request.request_id, context, wanted, num_committed=committed)
+            else:
+                proposed = self.proposer.propose(request.request_id, context, wanted)
             drafts = self._check(proposed, wanted)
         except Exception as error:  # a proposer bug costs this request's drafts, nothing else
             if not history.warned:
