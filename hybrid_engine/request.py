@@ -66,7 +66,7 @@ class RequestOutput:
                 f"text={self.text!r}, finished={self.finished}, finish_reason={self.finish_reason!r})")
 
 
-@dataclass(eq=False, slots=True, weakref_slot=True)  # identity semantics: requests live in queues and dicts
+@dataclass(eq=False, slots=True)  # identity semantics: requests live in queues and dicts
 class Request:
     """Engine-side request: tokens, progress, and the resources it holds.
 

@@ -11,7 +11,6 @@ to reject. Drafts never change a request's tokens (verification is exact), only 
 steps it takes.
 """
 import logging
-import weakref
 from dataclasses import dataclass
 
 from hybrid_engine.request import Request
@@ -46,29 +45,28 @@ class Drafter:
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         else:
             self.proposer = config.proposer
-        self._history: weakref.WeakKeyDictionary[Request, _DraftHistory] = weakref.WeakKeyDictionary()
+        self._history: dict[str, _DraftHistory] = {}  # by request id, dropped at `release`
 
     def drafts(self, request: Request, max_drafts: int, input_in_flight: bool) -> list[int]:
         """At most `max_drafts` drafts for the positions after the request's next input
         token. `input_in_flight`: that token is still being sampled on the device, so the
         proposer is asked for one more token (its guess of it) and the guess is dropped."""
-        history = self._history.get(request)
+        history = self._history.get(request.request_id)
         if history is None:
-            history = self._history[request] = _DraftHistory()
+            history = self._history[request.request_id] = _DraftHistory()
         if history.skip:
             history.skip -= 1
             return []
         if input_in_flight and request.inflight_drafts and not history.trusted:
             return []  # launched on an untrusted verify row: likely rejected, so kept narrow
-        context = request.prompt_token_ids + request.output_token_ids
-        committed = len(context)
-        if input_in_flight:
-            context = context + request.inflight_drafts
+        extra = request.inflight_drafts if input_in_flight else []
         wanted = max_drafts + input_in_flight
         try:
-            if isinstance(self.proposer, NgramProposer):  # it indexes the committed tokens only
-                proposed = self.proposer.propose(request.request_id, context, wanted, num_committed=committed)
+            if isinstance(self.proposer, NgramProposer):  # keeps its own copy: no context to build
+                proposed = self.proposer.propose_after(request.prompt_token_ids, request.output_token_ids, extra,
+                                                       request.request_id, wanted)
             else:
+                context = request.prompt_token_ids + request.output_token_ids + extra
                 proposed = self.proposer.propose(request.request_id, context, wanted)
             drafts = self._check(proposed, wanted)
         except Exception as error:  # a proposer bug costs this request's drafts, nothing else
@@ -90,15 +88,17 @@ class Drafter:
         return drafts
 
     def release(self, request: Request) -> None:
-        """The request left the running set (finished or evicted): a proposer that keeps
-        per-request state (`forget(request_id)`, as the n-gram index does) drops it."""
+        """The request left the running set (finished or evicted): its drafting history goes,
+        and a proposer that keeps per-request state (`forget(request_id)`, as the n-gram
+        index does) drops it."""
+        self._history.pop(request.request_id, None)
         forget = getattr(self.proposer, "forget", None)
         if forget is not None:
             forget(request.request_id)
 
     def record(self, request: Request, num_proposed: int, num_accepted: int) -> None:
         """A verify row retired: back off while every draft is rejected."""
-        history = self._history.get(request)
+        history = self._history.get(request.request_id)
         if history is None:
             return
         if not num_proposed:

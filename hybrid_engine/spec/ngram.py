@@ -1,39 +1,60 @@
 """Prompt-lookup (n-gram) drafts: continue the context as it continued before."""
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Indexed:
+    """One request's committed tokens (its own copy) and their n-gram index."""
+
+    tokens: list[int]
+    index: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> end of its latest occurrence
+    indexed: int = 0  # tokens whose n-grams are in the index
 
 
 class NgramProposer:
     """Finds the latest earlier occurrence of the context's last n tokens (n from
     `max_n` down to `min_n`, longest first) and proposes the tokens that followed it.
 
-    Each request's n-grams are indexed (n-gram -> where it last ended) as its committed
-    context grows -- the prompt at once, its tuples built in C by `zip` -- so a proposal
-    costs a few dict lookups, not a scan. Only committed tokens are indexed: the tokens
-    after them (launch-ahead drafts still in flight) may be rejected and rewritten, so they
-    only take part as the suffix looked up.
+    Each request's committed tokens are copied and indexed (n-gram -> where it last ended)
+    as they grow -- the prompt at once, its tuples built in C by `zip` -- so a proposal
+    costs a few dict lookups and no pass over the context. Tokens after the committed ones
+    (launch-ahead drafts still in flight) may be rejected and rewritten: they only take
+    part as the suffix looked up and in the continuation proposed.
     """
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
-        # request id -> (n-gram tuple -> end of its latest occurrence, tokens indexed)
-        self._index: dict[str, tuple[dict[tuple[int, ...], int], int]] = {}
+        self._requests: dict[str, _Indexed] = {}
 
     def propose(self, request_id: str, token_ids: list[int], num_tokens: int,
                 num_committed: int | None = None) -> list[int]:
         """Up to `num_tokens` drafts for the positions after `token_ids` (none if no match).
         `num_committed`: how many leading tokens are final (default: all of them)."""
-        length = len(token_ids)
-        committed = length if num_committed is None else num_committed
-        index, indexed = self._index.get(request_id, ({}, 0))
-        if committed > indexed:
-            self._add(index, token_ids, indexed, committed)
-            self._index[request_id] = (index, committed)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            end = index.get(tuple(token_ids[length - n:]))
+        committed = len(token_ids) if num_committed is None else num_committed
+        return self.propose_after([], token_ids[:committed], token_ids[committed:], request_id, num_tokens)
+
+    def propose_after(self, prompt: list[int], output: list[int], extra: list[int], request_id: str,
+                      num_tokens: int) -> list[int]:
+        """`propose` for the context prompt + output + extra, where prompt + output are
+        committed (only ever grow) and `extra` is not; nothing is concatenated."""
+        state = self._requests.get(request_id)
+        if state is None:
+            state = self._requests[request_id] = _Indexed(prompt + output)
+        tokens = state.tokens
+        if len(tokens) < len(prompt) + len(output):
+            tokens.extend(output[len(tokens) - len(prompt):])
+        if len(tokens) > state.indexed:
+            self._add(state.index, tokens, state.indexed, len(tokens))
+            state.indexed = len(tokens)
+        tail = tokens[-self.max_n:] + extra
+        for n in range(min(self.max_n, len(tokens) + len(extra) - 1), self.min_n - 1, -1):
+            end = state.index.get(tuple(tail[-n:]))
             if end is not None:
-                return token_ids[end:end + num_tokens]
+                drafts = tokens[end:end + num_tokens]
+                return drafts + extra[:num_tokens - len(drafts)]
         return []
 
-    def _add(self, index: dict[tuple[int, ...], int], token_ids: list[int], start: int, stop: int) -> None:
+    def _add(self, index: dict[tuple[int, ...], int], tokens: list[int], start: int, stop: int) -> None:
         """Index the n-grams that end at positions start .. stop-1 (each followed by a
         committed token); later occurrences overwrite earlier ones."""
         for n in range(self.min_n, self.max_n + 1):
@@ -41,11 +62,11 @@ class NgramProposer:
             if first >= stop:
                 continue
             if stop - first == 1:  # one new token (the common case): no zip machinery
-                index[tuple(token_ids[first - n:first])] = first
+                index[tuple(tokens[first - n:first])] = first
                 continue
-            grams = zip(*(token_ids[first - n + k:stop - n + k] for k in range(n)))
+            grams = zip(*(tokens[first - n + k:stop - n + k] for k in range(n)))
             index.update(zip(grams, range(first, stop)))
 
     def forget(self, request_id: str) -> None:
-        """Drop a finished request's index."""
-        self._index.pop(request_id, None)
+        """Drop a finished request's tokens and index."""
+        self._requests.pop(request_id, None)

@@ -77,4 +77,4 @@ def test_ngram_index_follows_a_growing_context_with_speculative_tokens():
         want = _scan(context, 3, len(committed))
         assert ngram.propose("r", context, 3, num_committed=len(committed)) == want, step
     ngram.forget("r")
-    assert "r" not in ngram._index
+    assert "r" not in ngram._requests
