@@ -325,6 +325,8 @@ class LLMEngine:
           (`Scheduler.reject` rolls its launch cursors back; the state copy it wrote is
           never committed, so the committed state is restored exactly). The step is
           drained before its rows' resources can be reused.
+        When every row is rejected, the next step is launched (from the rolled-back cursors)
+        before the rejected one is drained, so the device never waits for the host there.
         """
         rate = self.config.inject_rejection_rate
         rejected = False
@@ -345,8 +347,9 @@ class LLMEngine:
         if rejected:
             self._counters["rejected_launches"] += 1
         if not any(valid):
+            following = self._launch_ahead(ahead)
             self._retire(ahead, ahead.wait())
-            return None
+            return following
         return ahead
 
     def _fail_step(self, error: Exception) -> list[RequestOutput]:

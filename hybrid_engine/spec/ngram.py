@@ -47,7 +47,10 @@ class NgramProposer:
             self._add(state.index, tokens, state.indexed, len(tokens))
             state.indexed = len(tokens)
         tail = tokens[-self.max_n:] + extra
-        for n in range(min(self.max_n, len(tokens) + len(extra) - 1), self.min_n - 1, -1):
+        longest = min(self.max_n, len(tokens) + len(extra) - 1)
+        if longest < self.min_n or tuple(tail[-self.min_n:]) not in state.index:
+            return []  # the shortest suffix never occurred, so no longer one did (the common miss)
+        for n in range(longest, self.min_n - 1, -1):
             end = state.index.get(tuple(tail[-n:]))
             if end is not None:
                 drafts = tokens[end:end + num_tokens]

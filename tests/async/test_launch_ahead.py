@@ -147,7 +147,7 @@ def test_rejected_launch_restores_mamba_state_bit_exactly():
 
     def spying_reconcile(ahead, retired):
         result = reconcile(ahead, retired)
-        assert result is None  # rate 1.0 rejects every launch-ahead
+        assert result is not ahead  # rate 1.0 rejects every launch-ahead
         for r, conv, ssm in snapshots.values():
             if not r.finished:
                 slot = mamba.committed_slot(r.state)
