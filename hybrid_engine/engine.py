@@ -36,11 +36,12 @@ from hybrid_engine.models.loader import load_model, read_config
 from hybrid_engine.models.presets import get_preset
 from hybrid_engine.prompts import RequestLimits, validate_request
 from hybrid_engine.request import Request, RequestOutput, RequestStatus
-from hybrid_engine.runner import ModelRunner, StepHandle, StepSamples
+from hybrid_engine.runner import ModelRunner
 from hybrid_engine.sampling import derive_seed
 from hybrid_engine.sampling_params import SamplingParams
 from hybrid_engine.scheduler import RetiredStep, Scheduler, SchedulerOutput
 from hybrid_engine.spec.drafter import Drafter
+from hybrid_engine.step import StepHandle, StepSamples
 from hybrid_engine.tokenizer import build_byte_tokenizer, load_tokenizer
 from layers.kernels import select_ops
 
