@@ -161,6 +161,8 @@ class Scheduler:
             if not out.is_empty or not self.running or not allow_evict:
                 break
             self._evict(next(r for r in reversed(self.running) if r.inflight == 0))
+        if self.drafter is not None:
+            self._drop_sparse_drafts(out.decodes)
         num_decode = len(out.decodes)
         for j, chunk in enumerate(out.prefills):  # (decode rows launched in _try_schedule)
             request = chunk.request
@@ -241,6 +243,22 @@ class Scheduler:
         request.inflight_drafts = drafts
         src, dsts = self.mamba.launch(request.state, 1 + len(drafts))
         return ScheduledChunk(request, start, 1 + len(drafts), True, request.launch_row, drafts, src, dsts)
+
+    def _drop_sparse_drafts(self, decodes: list[ScheduledChunk]) -> None:
+        """A step with drafts widens EVERY decode row to K+1 tokens. In a large batch where
+        few rows have drafts that costs more than the drafts can bring, so they are dropped
+        for this step (the rows become one-token rows again; `Drafter.worth_widening`)."""
+        num_drafts = sum(len(c.drafts) for c in decodes)
+        if not num_drafts or self.drafter.worth_widening(len(decodes), num_drafts):
+            return
+        for chunk in decodes:
+            if chunk.drafts:
+                request = chunk.request
+                request.num_scheduled -= len(chunk.drafts)
+                request.pending_samples -= len(chunk.drafts)
+                request.inflight_drafts = chunk.drafts = []
+                chunk.num_tokens = 1
+                chunk.state_dsts = self.mamba.shorten(request.state, chunk.state_dsts, 1)
 
     def _prefill_chunk(self, request: Request, budget: int) -> ScheduledChunk | None:
         """The next prefill chunk that fits the budget and the KV pool (blocks reserved)."""

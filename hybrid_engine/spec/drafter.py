@@ -19,6 +19,13 @@ from hybrid_engine.spec.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
 
+# A step with drafts widens every decode row to K+1 tokens. Batches up to this many rows
+# are memory-bound enough that the extra positions cost little: they always keep drafts.
+WIDEN_ALWAYS_UP_TO_ROWS = 8
+# Larger batches keep their drafts only if at least this share of the positions the
+# widening adds are drafts (the rest is padding computed for nothing).
+MIN_DRAFT_SHARE_OF_WIDENING = 0.25
+
 # After n verify rows in a row with every draft rejected, a request drafts again only after
 # min(8 * 4**(n-1), MAX_BACKOFF_ROWS) plain decode rows. A miss costs a wider step and, under
 # launch-ahead, the rejected row launched on top of it: about two steps, so an adversarial
@@ -86,6 +93,13 @@ class Drafter:
             if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
                 raise ValueError(f"proposed token {token!r} is not a token id in [0, {self.vocab_size})")
         return drafts
+
+    def worth_widening(self, num_rows: int, num_drafts: int) -> bool:
+        """Whether a step of `num_rows` decode rows carrying `num_drafts` drafts in all
+        should verify them (widening every row to K+1 tokens) or run as a plain step."""
+        if num_rows <= WIDEN_ALWAYS_UP_TO_ROWS:
+            return True
+        return num_drafts >= MIN_DRAFT_SHARE_OF_WIDENING * num_rows * self.num_speculative_tokens
 
     def release(self, request: Request) -> None:
         """The request left the running set (finished or evicted): its drafting history goes,

@@ -229,3 +229,32 @@ def test_state_after_partial_acceptance_equals_non_speculative_state(mode):
         want_conv, want_ssm = expected[key]
         torch.testing.assert_close(conv, want_conv, atol=1e-5, rtol=0, msg=lambda m, key=key: f"{key}: {m}")
         torch.testing.assert_close(ssm, want_ssm, atol=1e-5, rtol=0, msg=lambda m, key=key: f"{key}: {m}")
+
+
+class _OnlyFor(OracleProposer):
+    """The oracle, for one request only."""
+
+    def __init__(self, truth: dict[str, list[int]], request_id: str):
+        super().__init__(truth)
+        self.request_id = request_id
+
+    def propose(self, request_id: str, token_ids: list[int], num_tokens: int) -> list[int]:
+        return super().propose(request_id, token_ids, num_tokens) if request_id == self.request_id else []
+
+
+@pytest.mark.parametrize("mode", ["serial", "async"])
+def test_large_batch_verifies_only_when_enough_rows_draft(mode):
+    """With 16 decode rows, drafts for one request alone would widen all 16 rows: they are
+    dropped (no verify step, the same tokens); drafts for every request are verified."""
+    workload = _workload(16, max_tokens=40)
+    expected, _ = _run(workload, max_num_seqs=16, **MODES[mode])
+    truth = _truth(workload, expected)
+    for proposer, verified in ((_OnlyFor(truth, "r3"), False), (OracleProposer(truth), True)):
+        spec = {"method": "proposer", "proposer": proposer, "num_speculative_tokens": K}
+        finals, stats = _run(workload, speculative_config=spec, max_num_seqs=16, **MODES[mode])
+        _assert_same(finals, expected)
+        assert proposer.calls > 0
+        if verified:
+            assert stats["spec_accepted_tokens"] >= 0.9 * stats["spec_proposed_tokens"] > 16 * K, stats
+        else:  # (verified only once the batch, finishing, is down to the always-verify size)
+            assert stats["spec_proposed_tokens"] <= 2 * K, stats
