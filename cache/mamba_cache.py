@@ -121,13 +121,6 @@ class MambaStateAllocator:
         state.head = dsts[-1]
         return src, dsts
 
-    def shorten(self, state: RequestState, dsts: tuple[int, ...], num_positions: int) -> tuple[int, ...]:
-        """The request's newest launched row (not yet run) keeps only its first
-        `num_positions` positions: the head moves back to the last one kept."""
-        kept = dsts[:num_positions]
-        state.head = kept[-1]
-        return kept
-
     def commit(self, state: RequestState, dsts: tuple[int, ...], num_accepted: int = 0) -> None:
         """The request's oldest in-flight row retired valid with `num_accepted` drafts
         accepted: the state after its position `num_accepted` is committed. If that row was

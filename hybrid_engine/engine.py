@@ -159,7 +159,9 @@ class LLMEngine:
         # Activations of the largest step plus sampling scratch: a generous estimate.
         width = max(mc.hidden_size * 4, mc.mamba_d_ssm * 2 + mc.mamba_conv_dim, mc.intermediate_size,
                     mc.moe_intermediate_size * max(mc.top_k, 1))
-        reserve = cfg.max_num_batched_tokens * width * 4 * 6 + max_num_seqs * mc.vocab_size * 4 * 8 + (1 << 30)
+        # (a verify step samples every position of its rows: K+1 rows of logits each)
+        sampled_rows = max_num_seqs * self.state_positions
+        reserve = cfg.max_num_batched_tokens * width * 4 * 6 + sampled_rows * mc.vocab_size * 4 * 8 + (1 << 30)
         left = budget - reserve
         if not self._user_max_num_seqs and max_num_seqs * seq_bytes > left / 2:
             max_num_seqs = max(1, int(left / 2 // seq_bytes))

@@ -157,12 +157,12 @@ class Scheduler:
     def schedule(self, allow_evict: bool = True) -> SchedulerOutput:
         """Pick this step's batch (see the module docstring) and launch its rows."""
         while True:
-            out = self._try_schedule()
+            out, budget = self._try_schedule()
             if not out.is_empty or not self.running or not allow_evict:
                 break
             self._evict(next(r for r in reversed(self.running) if r.inflight == 0))
         if self.drafter is not None:
-            self._drop_sparse_drafts(out.decodes)
+            self._launch_verify_rows(out.decodes, budget)
         num_decode = len(out.decodes)
         for j, chunk in enumerate(out.prefills):  # (decode rows launched in _try_schedule)
             request = chunk.request
@@ -173,7 +173,8 @@ class Scheduler:
             request.launch_row = num_decode + j
         return out
 
-    def _try_schedule(self) -> SchedulerOutput:
+    def _try_schedule(self) -> tuple[SchedulerOutput, int]:
+        """One scheduling pass: the batch, and the token budget it leaves."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         block_size, running, paused = self.kv.block_size, RequestStatus.RUNNING, RequestStatus.PAUSED
@@ -197,18 +198,19 @@ class Scheduler:
                         self.num_pauses += 1
                     continue
                 request.status = running
-                if self.drafter is None:
-                    src, dsts = self.mamba.launch(request.state)
-                    chunk = ScheduledChunk(request, scheduled, 1, True, request.launch_row, state_src=src,
-                                           state_dsts=dsts)
-                else:
-                    chunk = self._verify_row(request, scheduled, n_out, budget)
-                decodes.append(chunk)
+                if self.drafter is not None:  # launched with its drafts once the step is planned
+                    decodes.append(ScheduledChunk(request, scheduled, 1, True, request.launch_row))
+                    request.launch_row = len(decodes) - 1
+                    budget -= 1
+                    continue
+                src, dsts = self.mamba.launch(request.state)
+                decodes.append(ScheduledChunk(request, scheduled, 1, True, request.launch_row, state_src=src,
+                                              state_dsts=dsts))
                 request.launch_row = len(decodes) - 1
-                request.num_scheduled = scheduled + chunk.num_tokens
-                request.pending_samples += chunk.num_tokens
+                request.num_scheduled = scheduled + 1
+                request.pending_samples += 1
                 request.inflight += 1
-                budget -= chunk.num_tokens
+                budget -= 1
             else:
                 chunk = self._prefill_chunk(request, budget)
                 if chunk is not None:
@@ -225,40 +227,43 @@ class Scheduler:
             self.running.append(request)
             out.prefills.append(chunk)
             budget -= chunk.num_tokens
-        return out
+        return out, budget
 
-    def _verify_row(self, request: Request, start: int, n_out: int, budget: int) -> ScheduledChunk:
-        """A decoder's row with the drafts that fit: every draft stays within max_tokens,
-        the context, the token budget and the KV blocks free now (blocks reserved)."""
-        n_tokens = start + 1
-        room = min(self.drafter.num_speculative_tokens, budget - 1, request.params.max_tokens - n_out - 1,
-                   self.max_model_len - n_tokens - 1,
-                   (len(request.blocks) + self.kv.num_free) * self.kv.block_size - n_tokens)
-        drafts: list[int] = []
-        if room > 0:
-            # The input token is in flight when launch-ahead has not retired its sample yet.
-            in_flight = start >= len(request.prompt_token_ids) + len(request.output_token_ids)
-            drafts = self.drafter.drafts(request, room, in_flight)
-            self._reserve(request, n_tokens + len(drafts))
-        request.inflight_drafts = drafts
-        src, dsts = self.mamba.launch(request.state, 1 + len(drafts))
-        return ScheduledChunk(request, start, 1 + len(drafts), True, request.launch_row, drafts, src, dsts)
-
-    def _drop_sparse_drafts(self, decodes: list[ScheduledChunk]) -> None:
-        """A step with drafts widens EVERY decode row to K+1 tokens. In a large batch where
-        few rows have drafts that costs more than the drafts can bring, so they are dropped
-        for this step (the rows become one-token rows again; `Drafter.worth_widening`)."""
-        num_drafts = sum(len(c.drafts) for c in decodes)
-        if not num_drafts or self.drafter.worth_widening(len(decodes), num_drafts):
-            return
+    def _launch_verify_rows(self, decodes: list[ScheduledChunk], budget: int) -> None:
+        """Give the step's decode rows their drafts and launch them. Drafts come last: they
+        take only the token budget and KV blocks left after every decoder's token and every
+        prefill chunk, and stay within max_tokens and the context, so K shrinks and no one
+        waits for a draft. A large batch whose drafts are too sparse to pay for widening
+        every row (`Drafter.worth_widening`) runs without them."""
+        proposals: list[list[int]] = []
         for chunk in decodes:
-            if chunk.drafts:
-                request = chunk.request
-                request.num_scheduled -= len(chunk.drafts)
-                request.pending_samples -= len(chunk.drafts)
-                request.inflight_drafts = chunk.drafts = []
-                chunk.num_tokens = 1
-                chunk.state_dsts = self.mamba.shorten(request.state, chunk.state_dsts, 1)
+            request, n_tokens = chunk.request, chunk.start + 1
+            n_out = len(request.output_token_ids) + request.pending_samples
+            room = min(self.drafter.num_speculative_tokens, budget, request.params.max_tokens - n_out - 1,
+                       self.max_model_len - n_tokens - 1,
+                       (len(request.blocks) + self.kv.num_free) * self.kv.block_size - n_tokens)
+            drafts: list[int] = []
+            if room > 0:
+                # The input token is in flight when launch-ahead has not retired its sample yet.
+                in_flight = chunk.start >= len(request.prompt_token_ids) + len(request.output_token_ids)
+                drafts = self.drafter.drafts(request, room, in_flight)
+                self._reserve(request, n_tokens + len(drafts))
+                budget -= len(drafts)
+            proposals.append(drafts)
+        num_drafts = sum(map(len, proposals))
+        if num_drafts and not self.drafter.worth_widening(len(decodes), num_drafts):
+            for chunk, drafts in zip(decodes, proposals):
+                if drafts:
+                    self._unreserve(chunk.request, chunk.start + 1)
+            proposals = [[] for _ in decodes]
+        for chunk, drafts in zip(decodes, proposals):
+            request = chunk.request
+            chunk.drafts, chunk.num_tokens = drafts, 1 + len(drafts)
+            chunk.state_src, chunk.state_dsts = self.mamba.launch(request.state, chunk.num_tokens)
+            request.inflight_drafts = drafts
+            request.num_scheduled = chunk.start + chunk.num_tokens
+            request.pending_samples += chunk.num_tokens
+            request.inflight += 1
 
     def _prefill_chunk(self, request: Request, budget: int) -> ScheduledChunk | None:
         """The next prefill chunk that fits the budget and the KV pool (blocks reserved)."""
@@ -280,6 +285,15 @@ class Scheduler:
             return False
         request.blocks.extend(self.kv.allocate(need))
         return True
+
+    def _unreserve(self, request: Request, num_tokens: int) -> None:
+        """Give back the blocks the request holds beyond `num_tokens` tokens (reserved for
+        drafts that were then dropped; nothing was written there). A new list: the runner's
+        block-table cache keys on it."""
+        keep = self.kv.blocks_for(num_tokens)
+        if len(request.blocks) > keep:
+            self.kv.free(request.blocks[keep:])
+            request.blocks = request.blocks[:keep]
 
     def _evict(self, request: Request) -> None:
         """Free everything the request holds and requeue it at the front for recompute."""
@@ -348,13 +362,14 @@ class Scheduler:
         if accepted < num_drafts:
             request.num_scheduled -= num_drafts - accepted
             result.mispredicted.append(request)
-        result.num_proposed += num_drafts
-        result.num_accepted += accepted
         self.drafter.record(request, num_drafts, accepted)
         for j, token in enumerate(verified.token_ids):
             self._append_sample(request, token, None if verified.logprobs is None else verified.logprobs[j], result)
             if request.finished:
                 break
+        # Counted: the drafts verified, and those accepted before a stop ended the request.
+        result.num_proposed += num_drafts
+        result.num_accepted += min(accepted, j + 1)
         result.advanced.append(request)
 
     def _append_sample(self, request: Request, token: int, logprobs: list[tuple[int, float]] | None,

@@ -11,6 +11,7 @@ to reject. Drafts never change a request's tokens (verification is exact), only 
 steps it takes.
 """
 import logging
+import operator
 from dataclasses import dataclass
 
 from hybrid_engine.request import Request
@@ -39,6 +40,14 @@ class _DraftHistory:
     skip: int = 0  # decode rows left before drafting again
     trusted: bool = False  # the request's last verify row accepted a draft
     warned: bool = False  # a proposer failure was logged for this request
+
+
+def _as_int(value: object) -> int | None:
+    """`value` as a Python int if it is an integer of any type, else None."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 class Drafter:
@@ -88,10 +97,13 @@ class Drafter:
         """The proposal as a list of at most `wanted` token ids, or ValueError."""
         if proposed is None:
             return []
-        drafts = list(proposed)[:wanted]
-        for token in drafts:
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
+        drafts = []
+        for token in list(proposed)[:wanted]:
+            # Any integer type (NumPy's too), not bool.
+            value = None if isinstance(token, bool) else _as_int(token)
+            if value is None or not 0 <= value < self.vocab_size:
                 raise ValueError(f"proposed token {token!r} is not a token id in [0, {self.vocab_size})")
+            drafts.append(value)
         return drafts
 
     def worth_widening(self, num_rows: int, num_drafts: int) -> bool:

@@ -3,6 +3,7 @@ and logprobs with speculation equal those without, for every proposer (oracle, a
 partially wrong, n-gram, broken), greedy and seeded, serial and launch-ahead (with injected
 rejections), under KV pressure, chunked prefill, stops, penalties and aborts; and the
 counters say what was proposed and accepted."""
+import numpy as np
 import pytest
 import torch
 
@@ -258,3 +259,37 @@ def test_large_batch_verifies_only_when_enough_rows_draft(mode):
             assert stats["spec_accepted_tokens"] >= 0.9 * stats["spec_proposed_tokens"] > 16 * K, stats
         else:  # (verified only once the batch, finishing, is down to the always-verify size)
             assert stats["spec_proposed_tokens"] <= 2 * K, stats
+
+
+def test_dropped_drafts_give_their_blocks_back():
+    """One request drafts in a batch of 10 (sparse: dropped). The blocks reserved for its
+    drafts go back before the step launches, so the steady-decode fast path (checked
+    against the general path by the tests) sees the block tables it expects; every
+    request ends normally with the plain engine's tokens."""
+    class OneRowProposer:
+        def propose(self, request_id, token_ids, num_tokens):
+            return [1] * num_tokens if request_id == "r0" else []
+
+    arrivals = [(0, f"r{i}", byte_prompt(6, i), _params(0, max_tokens=20)) for i in range(10)]
+    outputs = []
+    for spec in (None, {"method": "proposer", "proposer": OneRowProposer(), "num_speculative_tokens": 1}):
+        llm = LLM(device="cpu", dtype="float32", seed=7, max_num_seqs=10, kv_block_size=4, speculative_config=spec)
+        outputs.append(drive(llm.engine, arrivals).finals)
+        assert_drained(llm.engine)
+    _assert_same(outputs[1], outputs[0])
+    assert all(out.finish_reason == "length" for out in outputs[1].values())
+
+
+def test_proposer_may_return_numpy_ids():
+    workload = _workload(2)
+    expected, _ = _run(workload)
+    proposer = OracleProposer(_truth(workload, expected))
+
+    class NumpyProposer:
+        def propose(self, request_id, token_ids, num_tokens):
+            return np.array(proposer.propose(request_id, token_ids, num_tokens), dtype=np.int64)
+
+    spec = {"method": "proposer", "proposer": NumpyProposer(), "num_speculative_tokens": K}
+    finals, stats = _run(workload, speculative_config=spec)
+    _assert_same(finals, expected)
+    assert stats["spec_accepted_tokens"] > 0, stats
