@@ -49,6 +49,7 @@ eviction never touches a request with rows in flight.
 """
 import logging
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from cache.kv_cache import KVBlockAllocator
@@ -74,7 +75,7 @@ class ScheduledChunk:
     num_tokens: int
     samples: bool
     prev_row: int = -1
-    drafts: list[int] = field(default_factory=list)
+    drafts: Sequence[int] = ()  # immutable default: no list allocated per plain decode row
     state_src: int = -1
     state_dsts: tuple[int, ...] = ()
 
