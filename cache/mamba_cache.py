@@ -20,8 +20,10 @@ that a rejected launch or a partial acceptance would need back:
   position (it assumes every draft is accepted) and writes the other bank, so the bank
   holding the accepted state survives when the launch-ahead row is rejected.
 
-Slots are handed out from one flat pool, not by formula from the row, so slots can later
-hold read-only prefix-cache checkpoints.
+Slots are handed out from one flat pool, not by formula from the row. The pool also has
+`checkpoint_slots` slots that only the prefix cache takes (read-only state checkpoints,
+cache/prefix_cache.py): a request never waits for one, and a checkpoint never waits for
+a request's slot.
 """
 from dataclasses import dataclass
 
@@ -48,26 +50,33 @@ class MambaStateAllocator:
     float32 whatever it is) -- so zeroing the slots handed to new requests is one batched
     op per kind.
     Each admitted request takes one row and `banks * row_positions` slots
-    (`copies_per_request`).
+    (`copies_per_request`); prefix-cache checkpoints take one slot each from their own
+    `checkpoint_slots`.
     """
 
     def __init__(self, max_num_seqs: int, num_layers: int, conv_dim: int, conv_width: int, heads: int,
                  head_dim: int, state_size: int, conv_dtype: torch.dtype, device: torch.device,
-                 banks: int = 1, row_positions: int = 1, ssm_dtype: torch.dtype = torch.float32):
+                 banks: int = 1, row_positions: int = 1, ssm_dtype: torch.dtype = torch.float32,
+                 checkpoint_slots: int = 0):
         if max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
         if banks not in (1, 2):
             raise ValueError(f"banks must be 1 (serial) or 2 (launch-ahead), got {banks}")
         if row_positions <= 0:
             raise ValueError(f"row_positions must be positive, got {row_positions}")
+        if checkpoint_slots < 0:
+            raise ValueError(f"checkpoint_slots must be >= 0, got {checkpoint_slots}")
         self.max_num_seqs, self.banks, self.row_positions = max_num_seqs, banks, row_positions
-        num_slots = max_num_seqs * self.copies_per_request
+        request_slots = max_num_seqs * self.copies_per_request
+        num_slots = request_slots + checkpoint_slots
         self.conv_states = torch.zeros(num_layers, num_slots, conv_dim, conv_width, dtype=conv_dtype, device=device)
         self.ssm_states = torch.zeros(num_layers, num_slots, heads, head_dim, state_size, dtype=ssm_dtype,
                                       device=device)
         # Stacks: the lowest index is handed out first (and a freed one reused first).
         self._free_rows: list[int] = list(range(max_num_seqs - 1, -1, -1))
-        self._free_slots: list[int] = list(range(num_slots - 1, -1, -1))
+        self._free_slots: list[int] = list(range(request_slots - 1, -1, -1))
+        self._free_checkpoint_slots: list[int] = list(range(num_slots - 1, request_slots - 1, -1))
+        self.checkpoint_slots = checkpoint_slots
         # The bank a row reading slot s writes, and its first slot as an array: one table
         # lookup turns a one-position step's (src, dst) into the next step's.
         self._bank_after: list[tuple[int, ...]] = [()] * num_slots
@@ -89,8 +98,10 @@ class MambaStateAllocator:
         """State slots in the pool (every layer has this many of each kind)."""
         return len(self._next_slot)
 
-    def allocate(self) -> RequestState:
-        """Take a row and a ring of slots; the slots are zeroed by the next step (`take_new_slots`)."""
+    def allocate(self, resume_from: int | None = None) -> RequestState:
+        """Take a row and a ring of slots. The slots are zeroed by the next step
+        (`take_new_slots`) -- except that with `resume_from` (a checkpoint slot) the first
+        slot, the state the request starts from, is a copy of that checkpoint (made now)."""
         if not self._free_rows:
             raise RuntimeError("Mamba state pool exhausted (scheduler bug: admission must check num_free)")
         ring = tuple(self._free_slots.pop() for _ in range(self.copies_per_request))
@@ -100,7 +111,11 @@ class MambaStateAllocator:
             after = bank_list[(i // width + 1) % self.banks]
             self._bank_after[slot] = after
             self._next_slot[slot] = after[0]
-        self._to_zero.extend(ring)
+        if resume_from is None:
+            self._to_zero.extend(ring)
+        else:
+            self.copy_state(resume_from, ring[0])
+            self._to_zero.extend(ring[1:])  # (written before they are read: zeroed for tidiness)
         return RequestState(self._free_rows.pop(), ring, committed=ring[0], head=ring[0])
 
     def free(self, state: RequestState) -> None:
@@ -110,6 +125,22 @@ class MambaStateAllocator:
         self._free_slots.extend(reversed(state.ring))
         if self._to_zero:
             self._to_zero = [slot for slot in self._to_zero if slot not in state.ring]
+
+    # ---- prefix-cache checkpoints -----------------------------------------------------
+    def take_checkpoint_slot(self) -> int | None:
+        """A free checkpoint slot, or None when all are taken (the cache evicts one)."""
+        return self._free_checkpoint_slots.pop() if self._free_checkpoint_slots else None
+
+    def free_checkpoint_slot(self, slot: int) -> None:
+        """Give a checkpoint slot back."""
+        self._free_checkpoint_slots.append(slot)
+
+    def copy_state(self, src: int, dst: int) -> None:
+        """Copy a slot's conv and SSM state in every layer, on the device, now: stream order
+        puts it after every step launched so far (it reads what they committed) and before
+        every later one (which may overwrite `src`). Views, so no host-to-device copy."""
+        self.conv_states[:, dst].copy_(self.conv_states[:, src])
+        self.ssm_states[:, dst].copy_(self.ssm_states[:, src])
 
     # ---- which slots a launched row reads and writes ---------------------------------
     def launch(self, state: RequestState, num_positions: int = 1) -> tuple[int, tuple[int, ...]]:

@@ -10,6 +10,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 # The SSM state pool's dtype ("auto": the checkpoint config's `mamba_ssm_cache_dtype`, else
 # float32 -- vLLM's NemotronH rule; float32 is the one known to cost no accuracy).
 MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_CHECKPOINT_INTERVAL = 512  # tokens (rounded up to a multiple of kv_block_size)
 
 
 @dataclass
@@ -33,6 +34,15 @@ class EngineConfig:
     # Speculative decoding (off when None): a dict as `SpeculativeConfig.from_dict` takes it.
     speculative_config: dict[str, Any] | SpeculativeConfig | None = None
     mamba_ssm_cache_dtype: str = "auto"  # resolved by the engine: see `resolve_mamba_ssm_cache_dtype`
+    # Prefix caching (docs/cache.md): reuse KV blocks and Mamba state checkpoints across requests.
+    enable_prefix_caching: bool = True
+    # Mamba state checkpoints the cache may keep (each the size of one request's state);
+    # default: 2 per max_num_seqs, fewer on CUDA if they would take over a quarter of the
+    # memory left after weights and activations.
+    prefix_cache_max_checkpoints: int | None = None
+    # Tokens between checkpoints of a long prompt: a multiple of kv_block_size (default:
+    # the smallest one >= 512).
+    prefix_cache_checkpoint_interval: int | None = None
 
     def resolve(self) -> "EngineConfig":
         """Validate and fill device-dependent defaults (raises ValueError naming the field)."""
@@ -73,6 +83,19 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be positive, got {resolved.num_kv_blocks}")
         if not 0.0 < resolved.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {resolved.gpu_memory_utilization}")
+        if not isinstance(resolved.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {resolved.enable_prefix_caching!r}")
+        if resolved.prefix_cache_max_checkpoints is not None and (
+                not isinstance(resolved.prefix_cache_max_checkpoints, int) or resolved.prefix_cache_max_checkpoints < 0):
+            raise ValueError(f"prefix_cache_max_checkpoints must be a non-negative integer, "
+                             f"got {resolved.prefix_cache_max_checkpoints!r}")
+        if resolved.prefix_cache_checkpoint_interval is None:
+            block = resolved.kv_block_size
+            resolved.prefix_cache_checkpoint_interval = -(-DEFAULT_CHECKPOINT_INTERVAL // block) * block
+        interval = resolved.prefix_cache_checkpoint_interval
+        if not isinstance(interval, int) or interval <= 0 or interval % resolved.kv_block_size:
+            raise ValueError(f"prefix_cache_checkpoint_interval must be a positive multiple of kv_block_size "
+                             f"({resolved.kv_block_size}), got {interval!r}")
         if not 0.0 <= resolved.inject_rejection_rate <= 1.0:
             raise ValueError(f"inject_rejection_rate must be in [0, 1], got {resolved.inject_rejection_rate}")
         return resolved

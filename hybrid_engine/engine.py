@@ -27,6 +27,7 @@ import torch
 
 from cache.kv_cache import KVBlockAllocator
 from cache.mamba_cache import MambaStateAllocator
+from cache.prefix_cache import PrefixCache
 from hybrid_engine.config import DTYPES, EngineConfig, resolve_mamba_ssm_cache_dtype
 from hybrid_engine.cuda_graphs import DECODE_OPS, DecodeGraphs
 from hybrid_engine.detokenizer import IncrementalDetokenizer
@@ -90,7 +91,7 @@ class LLMEngine:
         # Launch-ahead keeps the committed state while a row writes its successor (two
         # banks, ping-pong); a verify row writes the state after each of its positions.
         self.state_banks, self.state_positions = (2 if cfg.async_scheduling else 1), 1 + max_drafts
-        max_num_seqs, num_blocks = self._size_pools()
+        max_num_seqs, num_blocks, checkpoint_slots = self._size_pools()
         self.kv = KVBlockAllocator(num_blocks, cfg.kv_block_size, len(mc.attention_layers), mc.num_kv_heads,
                                    mc.head_dim, cfg.torch_dtype, self.device)
         self.limits = RequestLimits(vocab_size=mc.vocab_size, max_model_len=self.max_model_len,
@@ -98,8 +99,12 @@ class LLMEngine:
         self.mamba = MambaStateAllocator(max_num_seqs, len(mc.mamba_layers), mc.mamba_conv_dim, mc.conv_kernel - 1,
                                          mc.mamba_num_heads, mc.mamba_head_dim, mc.ssm_state_size, cfg.torch_dtype,
                                          self.device, banks=self.state_banks, row_positions=self.state_positions,
-                                         ssm_dtype=DTYPES[cfg.mamba_ssm_cache_dtype])
-        self.scheduler = Scheduler(self.kv, self.mamba, cfg.max_num_batched_tokens, self.max_model_len, self.drafter)
+                                         ssm_dtype=DTYPES[cfg.mamba_ssm_cache_dtype], checkpoint_slots=checkpoint_slots)
+        self.prefix_cache = None
+        if cfg.enable_prefix_caching:
+            self.prefix_cache = PrefixCache(self.kv, self.mamba, cfg.prefix_cache_checkpoint_interval)
+        self.scheduler = Scheduler(self.kv, self.mamba, cfg.max_num_batched_tokens, self.max_model_len, self.drafter,
+                                   self.prefix_cache)
         self.runner = ModelRunner(self.model, self.kv, self.mamba, cfg.max_num_batched_tokens, self.max_model_len,
                                   self.device, max_drafts)
         if cfg.cuda_graphs:
@@ -116,9 +121,10 @@ class LLMEngine:
                               spec_accepted_tokens=0)
         logger.info(
             "engine ready: model=%s device=%s dtype=%s mamba_ssm_cache_dtype=%s kernels=%s capacity: %d concurrent "
-            "requests, %d KV tokens (%d blocks x %d)", self.model_name, self.device, cfg.dtype,
-            cfg.mamba_ssm_cache_dtype, self.kernels.name, max_num_seqs, num_blocks * cfg.kv_block_size, num_blocks,
-            cfg.kv_block_size,
+            "requests, %d KV tokens (%d blocks x %d), prefix caching %s (%d state checkpoints)", self.model_name,
+            self.device, cfg.dtype, cfg.mamba_ssm_cache_dtype, self.kernels.name, max_num_seqs,
+            num_blocks * cfg.kv_block_size, num_blocks, cfg.kv_block_size,
+            "on" if cfg.enable_prefix_caching else "off", checkpoint_slots,
         )
 
     def _capture_graphs(self, max_num_seqs: int) -> None:
@@ -133,18 +139,25 @@ class LLMEngine:
         self.runner.buffer.num_syncs = 0  # capture's own copies are not steps
 
     # ---- sizing ----------------------------------------------------------------------
-    def _size_pools(self) -> tuple[int, int]:
-        """(max_num_seqs, num_kv_blocks): given values win; on CUDA the rest fills memory.
+    def _size_pools(self) -> tuple[int, int, int]:
+        """(max_num_seqs, num_kv_blocks, prefix-cache checkpoint slots): given values win;
+        on CUDA the rest fills memory.
 
         A default `max_num_seqs` shrinks until its Mamba state takes at most half of what
-        is left after weights and activations (the rest is KV cache); an explicit one that
-        does not fit is an error.
+        is left after weights and activations; default checkpoints (2 per max_num_seqs)
+        take at most a quarter; the rest is KV cache. An explicit size that does not fit
+        is an error.
         """
         cfg, mc = self.config, self.model_config
         max_num_seqs = cfg.max_num_seqs
         tokens_needed = max_num_seqs * self.max_model_len
+        checkpoints = 0
+        if cfg.enable_prefix_caching:
+            checkpoints = cfg.prefix_cache_max_checkpoints
+            if checkpoints is None:
+                checkpoints = 2 * max_num_seqs
         if self.device.type != "cuda":
-            return max_num_seqs, cfg.num_kv_blocks or -(-tokens_needed // cfg.kv_block_size)
+            return max_num_seqs, cfg.num_kv_blocks or -(-tokens_needed // cfg.kv_block_size), checkpoints
         # Memory of unreachable objects (e.g. an earlier engine in this process) and blocks
         # the caching allocator holds but no tensor uses count as free.
         gc.collect()
@@ -168,17 +181,21 @@ class LLMEngine:
             tokens_needed = max_num_seqs * self.max_model_len
             logger.info("max_num_seqs lowered to %d so Mamba state (%.1f MiB per request) fits", max_num_seqs,
                         seq_bytes / 2**20)
+        slot_bytes = seq_bytes // (self.state_banks * self.state_positions)
+        if cfg.enable_prefix_caching and cfg.prefix_cache_max_checkpoints is None:
+            checkpoints = min(2 * max_num_seqs, max(0, int(left / 4 // slot_bytes)))
         if cfg.num_kv_blocks is not None:
-            return max_num_seqs, cfg.num_kv_blocks
+            return max_num_seqs, cfg.num_kv_blocks, checkpoints
         block_bytes = KVBlockAllocator.bytes_per_block(cfg.kv_block_size, max(len(mc.attention_layers), 1),
                                                        mc.num_kv_heads, mc.head_dim, cfg.torch_dtype)
-        left -= max_num_seqs * seq_bytes
+        left -= max_num_seqs * seq_bytes + checkpoints * slot_bytes
         if left < block_bytes * self.kv_blocks_floor():
             raise ValueError(
-                f"not enough GPU memory for {max_num_seqs} Mamba state slots ({seq_bytes / 2**20:.1f} MiB each) and "
-                f"the KV cache: lower max_num_seqs or raise gpu_memory_utilization"
+                f"not enough GPU memory for {max_num_seqs} Mamba state slots ({seq_bytes / 2**20:.1f} MiB each), "
+                f"{checkpoints} prefix-cache checkpoints ({slot_bytes / 2**20:.1f} MiB each) and the KV cache: lower "
+                f"max_num_seqs or prefix_cache_max_checkpoints, or raise gpu_memory_utilization"
             )
-        return max_num_seqs, min(int(left // block_bytes), -(-tokens_needed // cfg.kv_block_size))
+        return max_num_seqs, min(int(left // block_bytes), -(-tokens_needed // cfg.kv_block_size)), checkpoints
 
     def kv_blocks_floor(self) -> int:
         """Fewest KV blocks worth running with: one full-length request."""
@@ -384,7 +401,11 @@ class LLMEngine:
         """Counters and pool occupancy: steps, launch_ahead_steps, rejected_launches, state_restores,
         pauses, evictions, prefill_tokens, decode_tokens, h2d_copies, queue and pool sizes.
         `free_mamba_slots` / `total_mamba_slots` count requests the Mamba pool can admit
-        (each takes one row and its ring of state copies)."""
+        (each takes one row and its ring of state copies). Prefix caching:
+        `prefix_cache_queries` (tokens looked up at admission: the prompt, plus the tokens
+        generated before an eviction for a recomputed request), `prefix_cache_hits` (of
+        those, tokens resumed from the cache), `prefix_cache_checkpoints` (state
+        checkpoints held), `cached_kv_blocks` (blocks only the cache holds; counted free)."""
         s = self.scheduler
         return {
             **self._counters,
@@ -398,4 +419,8 @@ class LLMEngine:
             "total_kv_blocks": self.kv.num_blocks,
             "free_mamba_slots": self.mamba.num_free,
             "total_mamba_slots": self.mamba.max_num_seqs,
+            "prefix_cache_queries": s.num_cache_queries,
+            "prefix_cache_hits": s.num_cache_hits,
+            "prefix_cache_checkpoints": 0 if self.prefix_cache is None else self.prefix_cache.num_checkpoints,
+            "cached_kv_blocks": self.kv.num_cached,
         }

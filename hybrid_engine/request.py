@@ -3,6 +3,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from cache.mamba_cache import RequestState
+from cache.prefix_cache import NEVER
 from hybrid_engine.detokenizer import IncrementalDetokenizer
 from hybrid_engine.sampling_params import SamplingParams
 
@@ -23,6 +24,7 @@ class RequestOutput:
 
     `new_token_ids` / `new_text` hold what this step added (for streaming); the other
     fields are cumulative. `logprobs[i]` maps token id -> logprob for output token i.
+    `num_cached_tokens`: prompt tokens served from the prefix cache (not computed).
 
     The cumulative fields cost O(1) per step to produce: a request's token, logprob and
     text-piece lists only ever grow, so an output keeps a reference plus the length at
@@ -30,14 +32,15 @@ class RequestOutput:
     """
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "finished", "finish_reason", "stop_reason",
-                 "new_token_ids", "new_text", "error", "_output_ids", "_num_output", "_logprobs", "_text_parts",
+                 "new_token_ids", "new_text", "error", "num_cached_tokens", "_output_ids", "_num_output", "_logprobs", "_text_parts",
                  "_num_text_parts", "_text_tail")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], output_ids: list[int],
                  logprobs: list[dict[int, float]] | None, text_parts: list[str] | None, text_tail: str,
                  finished: bool, finish_reason: str | None, stop_reason: str | int | None,
-                 new_token_ids: list[int], new_text: str, error: str | None):
+                 new_token_ids: list[int], new_text: str, error: str | None, num_cached_tokens: int = 0):
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self.num_cached_tokens = num_cached_tokens
         self.finished, self.finish_reason, self.stop_reason = finished, finish_reason, stop_reason
         self.new_token_ids, self.new_text, self.error = new_token_ids, new_text, error
         self._output_ids, self._num_output, self._logprobs = output_ids, len(output_ids), logprobs
@@ -98,6 +101,10 @@ class Request:
     inflight_drafts: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     state: RequestState | None = None  # Mamba state row and slots while admitted
+    # Prefix caching: prompt tokens served from the cache at its first admission (None
+    # until admitted), and the committed length at which the cache registers it next.
+    num_cached_tokens: int | None = None
+    cache_commit_at: int = NEVER
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
@@ -130,6 +137,6 @@ class Request:
         out = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.output_token_ids, self.logprobs,
                             None if detok is None else detok.text_pieces, "" if detok is None else detok.held_text,
                             self.status is RequestStatus.FINISHED, self.finish_reason, self.stop_reason,
-                            self.pending_token_ids, self.pending_text, self.error)
+                            self.pending_token_ids, self.pending_text, self.error, self.num_cached_tokens or 0)
         self.pending_token_ids, self.pending_text = [], ""
         return out

@@ -99,6 +99,17 @@ class ModelRunner:
         self._row_owner[row] = request
         self._row_sampling[row] = sampling_row(request.params)
 
+    def _write_history_prefix(self, request: Request, num_tokens: int) -> None:
+        """Fill the token history (read by penalties) of a request that starts at
+        `num_tokens` from a cached prefix. Only a request with penalties needs it: the
+        step's single copy cannot carry a whole prefix, so it takes a copy of its own."""
+        sampling = self._row_sampling[request.state.row]
+        if (sampling[SAMPLING.repetition_penalty] == 1.0 and sampling[SAMPLING.presence_penalty] == 0.0
+                and sampling[SAMPLING.frequency_penalty] == 0.0):
+            return
+        prefix = (request.prompt_token_ids + request.output_token_ids)[:num_tokens]
+        self._history[request.state.row, :num_tokens] = torch.tensor(prefix, dtype=torch.int64)
+
     def _sync_block_table(self, request: Request) -> None:
         """Copy the request's newly allocated block ids into its host table row.
 
@@ -312,10 +323,12 @@ class ModelRunner:
         for c in prefills:
             r = c.request
             row = r.state.row
+            start, end = c.start, c.start + c.num_tokens
             if self._row_owner[row] is not r:
                 self._claim_row(r)
+                if start > 0:  # resumed from the prefix cache: tokens [0, start) were never fed
+                    self._write_history_prefix(r, start)
             self._sync_block_table(r)
-            start, end = c.start, c.start + c.num_tokens
             t0, t1 = cu[-1], cu[-1] + c.num_tokens
             prompt, output = r.prompt_token_ids, r.output_token_ids
             n_prompt = len(prompt)

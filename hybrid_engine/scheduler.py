@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 
 from cache.kv_cache import KVBlockAllocator
 from cache.mamba_cache import MambaStateAllocator
+from cache.prefix_cache import PrefixCache, PrefixHit
 from hybrid_engine.request import Request, RequestStatus
 from hybrid_engine.spec.drafter import Drafter
 
@@ -137,14 +138,16 @@ class Scheduler:
     Mamba states."""
 
     def __init__(self, kv: KVBlockAllocator, mamba: MambaStateAllocator, max_num_batched_tokens: int,
-                 max_model_len: int, drafter: Drafter | None = None):
-        self.kv, self.mamba, self.drafter = kv, mamba, drafter
+                 max_model_len: int, drafter: Drafter | None = None, prefix_cache: PrefixCache | None = None):
+        self.kv, self.mamba, self.drafter, self.cache = kv, mamba, drafter, prefix_cache
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order; includes paused requests
         self.num_pauses = 0
         self.num_evictions = 0
+        self.num_cache_queries = 0  # tokens looked up in the prefix cache at admission
+        self.num_cache_hits = 0  # of those, tokens resumed from the cache (not computed)
 
     @property
     def paused(self) -> list[Request]:
@@ -219,11 +222,17 @@ class Scheduler:
                     budget -= chunk.num_tokens
         while self.waiting and budget > 0 and not self.paused and self.mamba.num_free > 0:
             request = self.waiting[0]
+            hit = self._take_prefix_hit(request) if self.cache is not None else None
             chunk = self._prefill_chunk(request, budget)
             if chunk is None:
+                if hit is not None:
+                    self.cache.cancel(hit)
+                    request.blocks, request.num_computed, request.num_scheduled = [], 0, 0
                 break  # FCFS: the head waits for blocks; nobody overtakes it
             self.waiting.popleft()
-            request.state = self.mamba.allocate()
+            request.state = self.mamba.allocate(None if hit is None else hit.checkpoint.slot)
+            if self.cache is not None:
+                self._start_caching(request, hit)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.prefills.append(chunk)
@@ -266,14 +275,37 @@ class Scheduler:
             request.pending_samples += chunk.num_tokens
             request.inflight += 1
 
+    def _take_prefix_hit(self, request: Request) -> PrefixHit | None:
+        """Resume a request about to be admitted from its deepest cached prefix: it holds
+        the prefix's blocks and starts its cursors there (undone by `cache.cancel` if it is
+        not admitted after all)."""
+        hit = self.cache.acquire(request.prompt_token_ids + request.output_token_ids)
+        if hit is not None:
+            request.blocks = hit.blocks
+            request.num_computed = request.num_scheduled = hit.position
+        return hit
+
+    def _start_caching(self, request: Request, hit: PrefixHit | None) -> None:
+        """An admitted request's cache bookkeeping: the hit's copies, the counters, and when
+        its committed tokens are next registered."""
+        position = 0 if hit is None else hit.position
+        request.cache_commit_at = self.cache.start(request) if hit is None else self.cache.resume(request, hit)
+        self.num_cache_queries += request.num_tokens
+        self.num_cache_hits += position
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = position
+
     def _prefill_chunk(self, request: Request, budget: int) -> ScheduledChunk | None:
-        """The next prefill chunk that fits the budget and the KV pool (blocks reserved)."""
+        """The next prefill chunk that fits the budget and the KV pool (blocks reserved),
+        ending at the next prefix-cache checkpoint position if it would pass one."""
         start, end = request.num_scheduled, request.num_tokens_when_retired
         held = len(request.blocks) * self.kv.block_size - start
         fits = held + self.kv.num_free * self.kv.block_size
         n = min(end - start, budget, fits)
         if n <= 0:
             return None
+        if self.cache is not None:
+            n = self.cache.chunk_limit(start, n, len(request.prompt_token_ids))
         self._reserve(request, start + n)
         return ScheduledChunk(request, start, n, samples=start + n == end)
 
@@ -293,12 +325,15 @@ class Scheduler:
         block-table cache keys on it."""
         keep = self.kv.blocks_for(num_tokens)
         if len(request.blocks) > keep:
-            self.kv.free(request.blocks[keep:])
+            self.kv.release(request.blocks[keep:])
             request.blocks = request.blocks[:keep]
 
     def _evict(self, request: Request) -> None:
-        """Free everything the request holds and requeue it at the front for recompute."""
+        """Free everything the request holds and requeue it at the front for recompute
+        (with prefix caching, its committed state is checkpointed first: it resumes there)."""
         self.running.remove(request)
+        if self.cache is not None:
+            self.cache.finish(request, request.num_computed, self.mamba.committed_slot(request.state))
         self._release(request)
         request.num_computed = request.num_scheduled = 0
         request.inflight_drafts = []
@@ -344,6 +379,8 @@ class Scheduler:
                 continue
             request.num_computed = chunk.start + chunk.num_tokens
             mamba.commit(request.state, chunk.state_dsts)
+            if request.num_computed >= request.cache_commit_at:
+                self._cache_commit(request)
             if not chunk.samples:
                 continue
             request.pending_samples -= 1
@@ -357,6 +394,8 @@ class Scheduler:
         request, accepted, num_drafts = chunk.request, verified.num_accepted, len(chunk.drafts)
         request.num_computed = chunk.start + 1 + accepted
         self.mamba.commit(request.state, chunk.state_dsts, accepted)
+        if request.num_computed >= request.cache_commit_at:
+            self._cache_commit(request)
         request.pending_samples -= chunk.num_samples
         if request.inflight == 0:
             request.inflight_drafts = []
@@ -372,6 +411,11 @@ class Scheduler:
         result.num_proposed += num_drafts
         result.num_accepted += min(accepted, j + 1)
         result.advanced.append(request)
+
+    def _cache_commit(self, request: Request) -> None:
+        """Hand the request's newly committed tokens to the prefix cache."""
+        request.cache_commit_at = self.cache.commit(request, request.num_computed,
+                                                    self.mamba.committed_slot(request.state))
 
     def _append_sample(self, request: Request, token: int, logprobs: list[tuple[int, float]] | None,
                        result: RetiredStep) -> None:
@@ -427,6 +471,10 @@ class Scheduler:
                 # trailing incomplete UTF-8 sequence that flushes as U+FFFD).
                 reason, request.stop_reason = "stop", detok.stop_reason
         request.finish_reason, request.error = reason, error
+        if self.cache is not None and request.state is not None:
+            # A failed step may have left the state half-written: only other ends are cached.
+            slot = None if reason == "error" else self.mamba.committed_slot(request.state)
+            self.cache.finish(request, request.num_computed, slot)
         if request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         else:
@@ -457,7 +505,7 @@ class Scheduler:
         if self.drafter is not None:
             self.drafter.release(request)
         if request.blocks:
-            self.kv.free(request.blocks)
+            self.kv.release(reversed(request.blocks))  # (its deepest cached blocks evict first)
             request.blocks = []  # a new list: the runner's block-table cache keys on it
         if request.state is not None:
             self.mamba.free(request.state)

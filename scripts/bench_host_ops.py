@@ -33,7 +33,7 @@ def churn_us(num_blocks: int, rounds: int, repeats: int) -> float:
 
     def churn() -> None:
         for _ in range(rounds):
-            kv.free(kv.allocate(2))
+            kv.release(kv.allocate(2))
 
     return best_of(churn, repeats) / rounds * 1e6
 

@@ -47,7 +47,7 @@ class ChatHandler(OpenAIServing):
                             logprobs=self._logprobs(request, out, new_only=False), finish_reason=out.finish_reason,
                             stop_reason=out.stop_reason)
         return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=[choice],
-                                      usage=usage(len(out.prompt_token_ids), len(out.output_token_ids)))
+                                      usage=usage([out]))
 
     def _encode(self, messages: list[ChatMessage]) -> list[int]:
         """The prompt's token ids: the chat template rendered with the assistant prefix.
@@ -115,7 +115,7 @@ class ChatHandler(OpenAIServing):
                                      finish_reason=out.finish_reason, stop_reason=out.stop_reason)
             yield chunk.model_copy(update={"choices": [choice]})
         if request.include_usage_in_stream and final is not None:
-            yield chunk.model_copy(update={"usage": usage(len(final.prompt_token_ids), len(final.output_token_ids))})
+            yield chunk.model_copy(update={"usage": usage([final])})
 
     def _logprobs(self, request: ChatCompletionRequest, out: RequestOutput, new_only: bool) -> ChatLogprobs | None:
         if request.num_logprobs is None:

@@ -48,6 +48,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     p.add_argument("--no-async-scheduling", action="store_true", help="disable launch-ahead scheduling")
     p.add_argument("--no-cuda-graphs", action="store_true", help="disable CUDA graphs")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse KV blocks and Mamba state checkpoints across requests that share a prefix "
+                        "(docs/cache.md; default: on)")
+    p.add_argument("--prefix-cache-max-checkpoints", type=int, default=None, metavar="N",
+                   help="Mamba state checkpoints the prefix cache may keep (docs/cache.md; default: 2 per "
+                        "--max-num-seqs, fewer on CUDA if they would take over a quarter of the memory left after "
+                        "weights and activations)")
+    p.add_argument("--prefix-cache-checkpoint-interval", type=int, default=None, metavar="N",
+                   help="tokens between Mamba state checkpoints of a long prompt, a multiple of --kv-block-size "
+                        "(docs/cache.md; default: the smallest multiple >= 512)")
     p.add_argument("--max-waiting-requests", type=int, default=256,
                    help="requests admitted beyond --max-num-seqs before answering 429")
     p.add_argument("--max-prompts-per-request", type=int, default=None,
@@ -73,6 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--max-waiting-requests must be >= 0")
     if args.max_prompts_per_request is not None and args.max_prompts_per_request < 1:
         p.error("--max-prompts-per-request must be >= 1")
+    if args.prefix_cache_max_checkpoints is not None and args.prefix_cache_max_checkpoints < 0:
+        p.error(f"--prefix-cache-max-checkpoints must be >= 0, got {args.prefix_cache_max_checkpoints}")
+    _check_checkpoint_interval(p, args)
     if not (math.isfinite(args.shutdown_timeout) and args.shutdown_timeout >= 0):
         p.error(f"--shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}")
     try:
@@ -82,6 +95,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as exc:
         p.error(str(exc))
     return args
+
+
+def _check_checkpoint_interval(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--prefix-cache-checkpoint-interval must be a positive multiple of the KV block size the
+    engine will use (a checkpoint ends a block), so the usage error comes before loading."""
+    interval = args.prefix_cache_checkpoint_interval
+    if interval is None:  # the engine's default fits its block size
+        return
+    if interval < 1:
+        p.error(f"--prefix-cache-checkpoint-interval must be >= 1, got {interval}")
+    block = args.kv_block_size
+    if block is None:
+        try:  # the engine's own default for the device
+            block = EngineConfig(device=args.device).resolve().kv_block_size
+        except ValueError:  # a bad --device: the engine names it at start-up
+            return
+    if block > 0 and interval % block:
+        p.error(f"--prefix-cache-checkpoint-interval must be a multiple of the KV block size ({block} tokens; "
+                f"--kv-block-size), got {interval}")
 
 
 def _speculative_config(p: argparse.ArgumentParser, text: str | None) -> dict | None:
@@ -113,6 +145,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_block_size=args.kv_block_size, num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, load_format=args.load_format,
         speculative_config=args.speculative_config, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+        enable_prefix_caching=args.enable_prefix_caching,
+        prefix_cache_max_checkpoints=args.prefix_cache_max_checkpoints,
+        prefix_cache_checkpoint_interval=args.prefix_cache_checkpoint_interval,
     )
 
 

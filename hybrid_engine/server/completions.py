@@ -7,8 +7,7 @@ from starlette.responses import Response
 from hybrid_engine.request import RequestOutput
 from hybrid_engine.sampling_params import SamplingParams
 from hybrid_engine.server.async_llm import Generation
-from hybrid_engine.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
-                                            UsageInfo)
+from hybrid_engine.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from hybrid_engine.server.serving import OpenAIServing, logprob_rows, render_off_loop, usage
 
 
@@ -41,7 +40,7 @@ class CompletionsHandler(OpenAIServing):
             for i, out in enumerate(finals)
         ]
         return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
-                                  usage=self._usage(finals))
+                                  usage=usage(finals))
 
     async def _chunks(self, request: CompletionRequest, request_id: str,
                       generation: Generation) -> AsyncIterator[CompletionResponse]:
@@ -58,7 +57,7 @@ class CompletionsHandler(OpenAIServing):
                                       finish_reason=out.finish_reason, stop_reason=out.stop_reason)
             yield first.model_copy(update={"choices": [choice]})
         if request.include_usage_in_stream:
-            yield first.model_copy(update={"usage": self._usage(finals)})
+            yield first.model_copy(update={"usage": usage(finals)})
 
     def _logprobs(self, request: CompletionRequest, out: RequestOutput, text_offset: int,
                   new_only: bool) -> tuple[CompletionLogprobs | None, int]:
@@ -74,7 +73,3 @@ class CompletionsHandler(OpenAIServing):
             result.text_offset.append(text_offset)
             text_offset += len(text)
         return result, text_offset
-
-    @staticmethod
-    def _usage(finals: list[RequestOutput]) -> UsageInfo:
-        return usage(sum(len(o.prompt_token_ids) for o in finals), sum(len(o.output_token_ids) for o in finals))

@@ -3,8 +3,9 @@
 Two kinds: what the server itself observes (finished requests by reason, prompt and
 generated tokens, step time, queue-full rejections), kept as ordinary prometheus-client
 instruments updated on the engine thread; and a mirror of `LLMEngine.stats()` (pool
-occupancy, scheduler and launch-ahead counters), read at scrape time from the latest
-snapshot the engine thread published, so scraping never touches the engine.
+occupancy, scheduler, launch-ahead, speculative and prefix-cache counters), read at
+scrape time from the latest snapshot the engine thread published, so scraping never
+touches the engine.
 
 Each server gets its own registry, so several can live in one process (tests).
 """
@@ -29,6 +30,8 @@ _STAT_COUNTERS = {
     "spec_steps": ("spec_decode_steps", "Retired steps that verified speculative drafts."),
     "spec_proposed_tokens": ("spec_decode_num_draft_tokens", "Speculative draft tokens verified."),
     "spec_accepted_tokens": ("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted."),
+    "prefix_cache_queries": ("prefix_cache_queries", "Tokens looked up in the prefix cache at admission."),
+    "prefix_cache_hits": ("prefix_cache_hits", "Looked-up tokens resumed from the prefix cache, not computed."),
 }
 _STAT_GAUGES = {
     "running": ("num_requests_running", "Requests in the running batch."),
@@ -39,6 +42,8 @@ _STAT_GAUGES = {
     "total_kv_blocks": ("kv_blocks_total", "KV cache blocks."),
     "free_mamba_slots": ("mamba_slots_free", "Free Mamba state slots."),
     "total_mamba_slots": ("mamba_slots_total", "Mamba state slots."),
+    "prefix_cache_checkpoints": ("prefix_cache_checkpoints", "Mamba state checkpoints the prefix cache holds."),
+    "cached_kv_blocks": ("kv_blocks_cached", "KV blocks only the prefix cache holds (counted as free)."),
 }
 
 StatsSource = Callable[[], dict[str, int]]

@@ -270,12 +270,19 @@ def now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    """`usage.prompt_tokens_details`, as OpenAI reports it."""
+
+    cached_tokens: int  # prompt tokens resumed from the prefix cache rather than computed
+
+
 class UsageInfo(BaseModel):
     """Token counts of a response."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class CompletionLogprobs(BaseModel):

@@ -31,7 +31,8 @@ from hybrid_engine.request import RequestOutput
 from hybrid_engine.sampling_params import SamplingParams
 from hybrid_engine.server.async_llm import AsyncLLM, EngineUnavailable, Generation, QueueFull, RequestFailed
 from hybrid_engine.server.errors import RATE_LIMIT, SERVER_ERROR, APIError, invalid_input
-from hybrid_engine.server.protocol import ChatCompletionResponse, CompletionResponse, SamplingRequest, UsageInfo
+from hybrid_engine.server.protocol import (ChatCompletionResponse, CompletionResponse, PromptTokensDetails,
+                                           SamplingRequest, UsageInfo)
 from hybrid_engine.tokenizer import TokenBytes
 
 logger = logging.getLogger(__name__)
@@ -64,10 +65,14 @@ def logprob_rows(out: RequestOutput, top_n: int, new_only: bool) -> list[Logprob
     return rows
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    """A usage block."""
+def usage(finals: list[RequestOutput]) -> UsageInfo:
+    """The usage block of a response: token counts summed over its requests' final outputs."""
+    prompt_tokens = sum(len(out.prompt_token_ids) for out in finals)
+    completion_tokens = sum(len(out.output_token_ids) for out in finals)
+    cached_tokens = sum(out.num_cached_tokens for out in finals)
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 def _sse(payload: BaseModel | dict) -> str:

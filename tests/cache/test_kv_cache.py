@@ -20,13 +20,13 @@ def test_allocate_free_exact_counts():
     assert kv.num_free == 3
     assert len(a) == 3 and len(b) == 4 and len(set(a + b)) == 7
     assert all(0 <= x < 10 for x in a + b)
-    kv.free(a)
+    kv.release(a)
     assert kv.num_free == 6
     c = kv.allocate(6)
     assert kv.num_free == 0 and not set(c) & set(b) and len(set(c)) == 6
     assert sorted(b + c) == list(range(10))
-    kv.free(b)
-    kv.free(c)
+    kv.release(b)
+    kv.release(c)
     assert kv.num_free == 10
     assert kv.allocate(0) == [] and kv.num_free == 10
 
@@ -46,7 +46,7 @@ def test_most_recently_freed_reused_first():
     kv = make(8)
     a = kv.allocate(3)
     kv.allocate(2)
-    kv.free(a)
+    kv.release(a)
     assert sorted(kv.allocate(3)) == sorted(a)
 
 

@@ -41,6 +41,11 @@ GRANITE_DENSE_NOPE = dict(
 # GraniteMoeHybrid clamps to time_step_limit. position_embedding_type None is transformers' NoPE.
 NEMOTRON_MOE_SHARP = dict(NEMOTRON_MOE, initializer_range=0.3, time_step_min=0.05, time_step_max=0.1)
 GRANITE_MOE_ROPE_SHARP = dict(GRANITE_MOE_ROPE, initializer_range=0.3, tie_word_embeddings=False)
+# Sharp, with a dt limit that never binds (time_step_min 1e-6 is its lower bound):
+# prompt and generated tokens update the state alike, so a conversation's next turn,
+# resumed from the state its previous answer left (prefix caching), equals a fresh
+# prefill of the whole text.
+NEMOTRON_MOE_SHARP_OPEN = dict(NEMOTRON_MOE, initializer_range=0.3, time_step_min=1e-6, time_step_floor=1e-6)
 GRANITE_MOE_NOPE_SHARP = dict(GRANITE_MOE_ROPE_SHARP, position_embedding_type=None, time_step_limit=(0.0, 0.06))
 CHECKPOINTS = {
     "nemotron_moe": ("NemotronHConfig", "NemotronHForCausalLM", NEMOTRON_MOE),
@@ -49,6 +54,7 @@ CHECKPOINTS = {
     "granite_dense_nope": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", GRANITE_DENSE_NOPE),
     "nemotron_moe_sharp": ("NemotronHConfig", "NemotronHForCausalLM", NEMOTRON_MOE_SHARP),
     "granite_moe_rope_sharp": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", GRANITE_MOE_ROPE_SHARP),
+    "nemotron_moe_sharp_open": ("NemotronHConfig", "NemotronHForCausalLM", NEMOTRON_MOE_SHARP_OPEN),
     "granite_moe_nope_sharp": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", GRANITE_MOE_NOPE_SHARP),
 }
 

@@ -31,6 +31,7 @@ def test_completion_fields(client: openai.OpenAI):
     (choice,) = r.choices
     assert choice.index == 0 and choice.finish_reason == "length" and isinstance(choice.text, str)
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (5, 12, 17)
+    assert r.usage.prompt_tokens_details.cached_tokens == 0  # no other test prompt starts with "Hello"
 
 
 def test_completion_prompt_shapes(client: openai.OpenAI):

@@ -105,3 +105,32 @@ def test_speculative_config_flag(capsys):
             parse_args(["--speculative-config", value])
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_prefix_cache_flags_reach_the_engine_config():
+    default = engine_config(parse_args([]))
+    assert (default.enable_prefix_caching, default.prefix_cache_max_checkpoints,
+            default.prefix_cache_checkpoint_interval) == (True, None, None)
+    config = engine_config(parse_args(["--no-enable-prefix-caching", "--prefix-cache-max-checkpoints", "0",
+                                       "--kv-block-size", "32", "--prefix-cache-checkpoint-interval", "96"]))
+    assert (config.enable_prefix_caching, config.prefix_cache_max_checkpoints,
+            config.prefix_cache_checkpoint_interval) == (False, 0, 96)
+    assert engine_config(parse_args(["--enable-prefix-caching"])).enable_prefix_caching is True
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prefix-cache-max-checkpoints", "-1"], "--prefix-cache-max-checkpoints must be >= 0, got -1"),
+    (["--prefix-cache-checkpoint-interval", "0"], "--prefix-cache-checkpoint-interval must be >= 1, got 0"),
+    (["--kv-block-size", "32", "--prefix-cache-checkpoint-interval", "48"],
+     "--prefix-cache-checkpoint-interval must be a multiple of the KV block size (32 tokens; --kv-block-size), "
+     "got 48"),
+    # Without --kv-block-size: the device's default (16 on CPU).
+    (["--device", "cpu", "--prefix-cache-checkpoint-interval", "24"],
+     "--prefix-cache-checkpoint-interval must be a multiple of the KV block size (16 tokens"),
+    (["--prefix-cache-checkpoint-interval", "many"], "--prefix-cache-checkpoint-interval: invalid int value"),
+])
+def test_bad_prefix_cache_flags_are_usage_errors(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(flags)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

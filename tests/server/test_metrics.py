@@ -19,6 +19,8 @@ def test_counters_after_one_known_request(server: Server):
     r = httpx.post(f"{server.url}/v1/completions", timeout=60,
                    json={"prompt": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0.0})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == MAX_TOKENS
+    # Another test's prompt may be a prefix of this one (the shared server caches prefixes).
+    cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     wait_until(server.idle_and_free, what="the engine stats to show the request done")
     after = server.metrics()
 
@@ -28,9 +30,12 @@ def test_counters_after_one_known_request(server: Server):
     assert delta("hybrid_engine_prompt_tokens_total") == len(PROMPT)
     assert delta("hybrid_engine_generation_tokens_total") == MAX_TOKENS
     assert delta("hybrid_engine_requests_total{finish_reason=length}") == 1
-    # The prompt is prefilled once (nothing evicted); the prefill step samples the first
-    # token and each of the other 6 is one decode token, one engine step each.
-    assert delta("hybrid_engine_prefill_tokens_total") == len(PROMPT)
+    # The prompt is looked up in the prefix cache and its uncached part prefilled once
+    # (nothing evicted); the prefill step samples the first token and each of the other 6
+    # is one decode token, one engine step each.
+    assert delta("hybrid_engine_prefix_cache_queries_total") == len(PROMPT)
+    assert delta("hybrid_engine_prefix_cache_hits_total") == cached
+    assert delta("hybrid_engine_prefill_tokens_total") == len(PROMPT) - cached
     assert delta("hybrid_engine_decode_tokens_total") == MAX_TOKENS - 1
     assert delta("hybrid_engine_engine_steps_total") == MAX_TOKENS
     # A step advances a request by at most one token, so 7 tokens took at least 7 timed steps.

@@ -1,0 +1,323 @@
+"""Hybrid prefix cache: what is cached, and where a new request can resume.
+
+A hybrid model resumes at position p only with BOTH the KV of tokens [0, p) (attention
+layers) and the Mamba conv + SSM state after token p-1. So the cache has two parts:
+
+- **KV blocks**, content-addressed by a trie: a node is one full block whose key is its
+  tokens under its parent node, so a node stands for the whole prefix up to its block's
+  end (a hash chain with exact keys: no collision can match a wrong prefix). Blocks are
+  shared read-only: a request that resumes holds the matched blocks
+  (`KVBlockAllocator.hold`); blocks nobody holds stay cached until the pool needs them.
+- **State checkpoints**: the Mamba state at position p, in a checkpoint slot of the state
+  pool, attached to the node of the full blocks below p. When p is inside a block, the
+  checkpoint also keeps a copy of that partial block (its *tail block*; tokens
+  [p - p % block_size, p) valid); a resuming request copies it into a block of its own
+  (copy-on-write: a shared block is never written).
+
+Checkpoints are taken at the end of every prompt, every `checkpoint_interval` tokens of a
+prompt (the scheduler splits prefill chunks there, `chunk_limit`), and when a request
+finishes or is evicted (its committed state: the next chat turn resends prompt + answer
+and resumes there; a recomputed request resumes where it was evicted). All copies are
+device ops issued at once: stream order puts them after every launched step (whose
+writes they read) and before every later one.
+
+A hit (`acquire`) is the deepest checkpoint whose prefix the request's tokens match, at
+most `len(tokens) - 1` (the last token is always computed: it yields the first logits).
+Eviction is least recently used: checkpoints when the checkpoint slots run out (a
+finished request's own checkpoints that nobody used go first: its finish checkpoint is
+deeper on the same prefix), blocks when the KV pool runs short (a block's eviction drops
+the nodes under it and every checkpoint attached there).
+"""
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from cache.kv_cache import KVBlockAllocator
+from cache.mamba_cache import MambaStateAllocator
+
+NEVER = 1 << 62  # a committed length no request reaches: "no need to call `commit` again"
+
+
+@dataclass(eq=False, slots=True)
+class Checkpoint:
+    """The Mamba state after `position` tokens, attached to `node` (the full blocks below
+    it); `tail`: the tokens from the node's end to `position`, whose KV `tail_block` keeps
+    (-1: `position` is block-aligned)."""
+
+    position: int
+    node: "CachedBlock"
+    tail: tuple[int, ...]
+    tail_block: int
+    slot: int
+    used: bool = False  # a request other than its creator resumed from it
+
+
+@dataclass(eq=False, slots=True)
+class CachedBlock:
+    """A trie node: KV block `block` holds `tokens`, the block after `parent`'s prefix."""
+
+    block: int  # -1 for the root (the empty prefix)
+    tokens: tuple[int, ...]
+    parent: "CachedBlock | None"
+    depth: int  # full blocks from the root through this one
+    children: dict[tuple[int, ...], "CachedBlock"] = field(default_factory=dict)
+    checkpoints: dict[tuple[int, ...], Checkpoint] = field(default_factory=dict)
+    alive: bool = True
+
+
+@dataclass(slots=True)
+class PrefixHit:
+    """A resume point taken by `acquire`: the request starts with `blocks` (the shared full
+    blocks, then `tail_copy`, its own block for the checkpoint's tail block, if it has one)
+    and the checkpoint's state, at `position`."""
+
+    position: int
+    blocks: list[int]
+    checkpoint: Checkpoint
+    tail_copy: int = -1
+
+
+@dataclass(eq=False, slots=True)
+class _Progress:
+    """How far a request's KV is registered: its prefix's node (canonical: an identical
+    block registered first wins), and the checkpoints it saved."""
+
+    node: CachedBlock
+    saved: list[Checkpoint] = field(default_factory=list)
+
+
+class PrefixCache:
+    """Owner of the prefix cache's content: the block trie, the checkpoints, their LRUs.
+
+    The scheduler calls `acquire` / `cancel` / `resume` when it admits a request,
+    `commit` when a request's committed length reaches `commit_at`, `finish` when it ends
+    or is evicted, and `chunk_limit` to end prefill chunks at checkpoint positions.
+    """
+
+    def __init__(self, kv: KVBlockAllocator, mamba: MambaStateAllocator, checkpoint_interval: int):
+        if checkpoint_interval <= 0 or checkpoint_interval % kv.block_size:
+            raise ValueError(f"prefix_cache_checkpoint_interval must be a positive multiple of kv_block_size "
+                             f"({kv.block_size}), got {checkpoint_interval}")
+        self.kv, self.mamba, self.interval = kv, mamba, checkpoint_interval
+        self.block_size = kv.block_size
+        self.root = CachedBlock(block=-1, tokens=(), parent=None, depth=0)
+        self._by_block: dict[int, CachedBlock | Checkpoint] = {}  # what each cached block holds
+        self._checkpoints: OrderedDict[Checkpoint, None] = OrderedDict()  # least recently used first
+        self._progress: dict[object, _Progress] = {}  # by request
+        kv.set_evict_callback(self._on_block_evicted)
+
+    @property
+    def num_checkpoints(self) -> int:
+        """Checkpoints held now."""
+        return len(self._checkpoints)
+
+    # ---- resuming --------------------------------------------------------------------
+    def acquire(self, tokens: list[int]) -> PrefixHit | None:
+        """The deepest checkpoint at a position <= len(tokens) - 1 whose prefix `tokens`
+        start with, taken: its full blocks are held, and a block for the copy of its tail
+        is allocated. The caller then `resume`s (admitted) or `cancel`s (not admitted)."""
+        limit, bs = len(tokens) - 1, self.block_size
+        node, best = self.root, None
+        while True:
+            base = node.depth * bs
+            for tail, checkpoint in node.checkpoints.items():
+                end = base + len(tail)
+                if end <= limit and (best is None or end > best.position) and tuple(tokens[base:end]) == tail:
+                    best = checkpoint
+            if base + bs > limit:
+                break
+            child = node.children.get(tuple(tokens[base:base + bs]))
+            if child is None:
+                break
+            node = child
+        if best is None:
+            return None
+        full = self._chain(best.node)
+        self.kv.hold(full)
+        hit = PrefixHit(best.position, full, best)
+        if best.tail_block >= 0:
+            self.kv.hold((best.tail_block,))  # (so allocating its copy cannot evict it)
+            if self.kv.num_free == 0:
+                self.kv.release(full + [best.tail_block])
+                return None
+            hit.tail_copy = self.kv.allocate(1)[0]
+            hit.blocks = full + [hit.tail_copy]
+        return hit
+
+    def cancel(self, hit: PrefixHit) -> None:
+        """Undo an `acquire` whose request was not admitted (`hit.blocks` may have grown by
+        blocks the caller reserved: they are released too)."""
+        checkpoint = hit.checkpoint
+        if checkpoint.tail_block >= 0:
+            self.kv.release((checkpoint.tail_block,))
+        self.kv.release(reversed(hit.blocks))
+
+    def resume(self, request, hit: PrefixHit) -> int:
+        """The request was admitted at `hit`: copy the tail block into its own, and track
+        its registration from the hit's node. (The caller starts its Mamba state from
+        `hit.checkpoint.slot`: `MambaStateAllocator.allocate(resume_from=...)`.) Returns
+        the committed length at which to call `commit`."""
+        checkpoint = hit.checkpoint
+        if checkpoint.tail_block >= 0:
+            self.kv.copy_block(checkpoint.tail_block, hit.tail_copy)
+            self.kv.release((checkpoint.tail_block,))
+        checkpoint.used = True
+        self._checkpoints.move_to_end(checkpoint)
+        progress = self._progress[request] = _Progress(checkpoint.node)
+        return self._next_commit(progress, hit.position, len(request.prompt_token_ids))
+
+    def start(self, request) -> int:
+        """The request was admitted without a hit: its registration starts at the root.
+        Returns the committed length at which to call `commit`."""
+        progress = self._progress[request] = _Progress(self.root)
+        return self._next_commit(progress, 0, len(request.prompt_token_ids))
+
+    def chunk_limit(self, start: int, num_tokens: int, prompt_len: int) -> int:
+        """`num_tokens`, shortened so a prefill chunk from `start` ends at the next
+        checkpoint position inside the prompt (a state exists only at a chunk's end)."""
+        boundary = (start // self.interval + 1) * self.interval
+        if boundary < prompt_len and boundary < start + num_tokens:
+            return boundary - start
+        return num_tokens
+
+    # ---- registering -----------------------------------------------------------------
+    def commit(self, request, num_computed: int, state_slot: int) -> int:
+        """The request's KV and state are committed through `num_computed` tokens (state in
+        `state_slot`): register its newly full blocks, and checkpoint the state if this is
+        the prompt's end or an interval position inside the prompt. Returns the committed
+        length at which to call again."""
+        progress = self._progress[request]
+        self._register_blocks(request, progress, num_computed)
+        prompt_len = len(request.prompt_token_ids)
+        if num_computed == prompt_len or (num_computed < prompt_len and num_computed % self.interval == 0):
+            self._save(request, progress, num_computed, state_slot)
+        return self._next_commit(progress, num_computed, prompt_len)
+
+    def _next_commit(self, progress: _Progress, num_computed: int, prompt_len: int) -> int:
+        """The committed length at which the request next has a block to register or a
+        state to checkpoint."""
+        if not progress.node.alive:
+            return NEVER  # its prefix was evicted: nothing more of it is cached
+        next_block = (progress.node.depth + 1) * self.block_size
+        if num_computed < prompt_len:
+            return min(next_block, (num_computed // self.interval + 1) * self.interval, prompt_len)
+        return next_block
+
+    def finish(self, request, num_computed: int, state_slot: int | None) -> None:
+        """The request ends (or is evicted): checkpoint its committed state at
+        `num_computed` (None: its state is not trusted, e.g. a failed step), and stop
+        tracking it. Its own earlier checkpoints that nobody used become the first to
+        evict: this one is deeper on the same prefix."""
+        progress = self._progress.pop(request, None)
+        if progress is None or state_slot is None or num_computed == 0:
+            return
+        self._register_blocks(request, progress, num_computed)
+        final = self._save(request, progress, num_computed, state_slot)
+        if final is None:
+            return
+        for checkpoint in progress.saved:
+            if checkpoint is not final and not checkpoint.used and checkpoint in self._checkpoints:
+                self._checkpoints.move_to_end(checkpoint, last=False)
+
+    def _register_blocks(self, request, progress: _Progress, num_computed: int) -> None:
+        """Add the request's full blocks below `num_computed` to the trie (an identical
+        block already there stays the canonical one; the request keeps its own copy)."""
+        node, bs = progress.node, self.block_size
+        while node.alive and (node.depth + 1) * bs <= num_computed:
+            i = node.depth
+            tokens = _token_slice(request, i * bs, (i + 1) * bs)
+            child = node.children.get(tokens)
+            if child is None:
+                block = request.blocks[i]
+                child = CachedBlock(block=block, tokens=tokens, parent=node, depth=i + 1)
+                node.children[tokens] = child
+                self._by_block[block] = child
+                self.kv.set_cached(block, True)
+            node = child
+        progress.node = node
+
+    def _save(self, request, progress: _Progress, position: int, state_slot: int) -> Checkpoint | None:
+        """Checkpoint the request's state (in `state_slot`) at `position`, unless one is
+        there (then that one is returned, as recently used); None if none can be made."""
+        node = progress.node
+        if not node.alive or node.depth != position // self.block_size:
+            return None
+        tail = _token_slice(request, node.depth * self.block_size, position)
+        existing = node.checkpoints.get(tail)
+        if existing is not None:
+            self._checkpoints.move_to_end(existing)
+            return existing
+        slot = self.mamba.take_checkpoint_slot()
+        if slot is None:
+            if not self._checkpoints:
+                return None  # no checkpoint slots at all
+            self._drop_checkpoint(next(iter(self._checkpoints)))
+            slot = self.mamba.take_checkpoint_slot()
+        tail_block = -1
+        if tail:
+            if self.kv.num_free == 0:
+                self.mamba.free_checkpoint_slot(slot)
+                return None
+            tail_block = self.kv.allocate(1)[0]
+            if not node.alive:  # allocating evicted the very prefix this would attach to
+                self.kv.release((tail_block,))
+                self.mamba.free_checkpoint_slot(slot)
+                return None
+            self.kv.copy_block(request.blocks[node.depth], tail_block)
+        self.mamba.copy_state(state_slot, slot)
+        checkpoint = Checkpoint(position, node, tail, tail_block, slot)
+        node.checkpoints[tail] = checkpoint
+        self._checkpoints[checkpoint] = None
+        progress.saved.append(checkpoint)
+        if tail_block >= 0:
+            self._by_block[tail_block] = checkpoint
+            self.kv.set_cached(tail_block, True)
+            self.kv.release((tail_block,))
+        return checkpoint
+
+    # ---- eviction --------------------------------------------------------------------
+    def _drop_checkpoint(self, checkpoint: Checkpoint) -> None:
+        """Forget a checkpoint: its slot and its tail block go back to the pools."""
+        del self._checkpoints[checkpoint]
+        del checkpoint.node.checkpoints[checkpoint.tail]
+        self.mamba.free_checkpoint_slot(checkpoint.slot)
+        if checkpoint.tail_block >= 0:
+            del self._by_block[checkpoint.tail_block]
+            self.kv.set_cached(checkpoint.tail_block, False)
+
+    def _on_block_evicted(self, block: int) -> None:
+        """The KV pool reuses a cached block: forget what it held (a checkpoint's tail, or a
+        node -- then also every node under it and every checkpoint attached to those)."""
+        held = self._by_block.pop(block)
+        if isinstance(held, Checkpoint):
+            held.tail_block = -1  # (the pool already took the block back)
+            self._drop_checkpoint(held)
+            return
+        del held.parent.children[held.tokens]
+        stack = [held]
+        while stack:
+            node = stack.pop()
+            node.alive = False
+            for checkpoint in list(node.checkpoints.values()):
+                self._drop_checkpoint(checkpoint)
+            stack.extend(node.children.values())
+            if node is not held:
+                del self._by_block[node.block]
+                self.kv.set_cached(node.block, False)
+
+    @staticmethod
+    def _chain(node: CachedBlock) -> list[int]:
+        """The blocks from the root to `node`, in order."""
+        blocks = []
+        while node.parent is not None:
+            blocks.append(node.block)
+            node = node.parent
+        return blocks[::-1]
+
+
+def _token_slice(request, start: int, end: int) -> tuple[int, ...]:
+    """The request's tokens (prompt, then output) in [start, end)."""
+    prompt = request.prompt_token_ids
+    n = len(prompt)
+    if end <= n:
+        return tuple(prompt[start:end])
+    return tuple(prompt[start:]) + tuple(request.output_token_ids[max(start - n, 0):end - n])

@@ -1,0 +1,174 @@
+"""PrefixCache on its own: what a finished request leaves cached, which checkpoint a new
+request resumes from, copy-on-write of the partial block, and eviction (LRU, and never at
+the expense of a block a request holds)."""
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from cache.kv_cache import KVBlockAllocator
+from cache.mamba_cache import MambaStateAllocator
+from cache.prefix_cache import PrefixCache
+
+BS = 4  # tokens per KV block
+
+
+def make(num_blocks=32, checkpoints=4, interval=8, seqs=4):
+    kv = KVBlockAllocator(num_blocks, BS, 2, 1, 2, torch.float32, torch.device("cpu"))
+    mamba = MambaStateAllocator(seqs, 2, 3, 2, 2, 2, 2, torch.float32, torch.device("cpu"), checkpoint_slots=checkpoints)
+    return kv, mamba, PrefixCache(kv, mamba, interval)
+
+
+@dataclass(eq=False)
+class FakeRequest:
+    """What the cache reads of a request."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    blocks: list[int] = field(default_factory=list)
+    state: object = None
+
+
+def fill_kv(kv, block, value):
+    for k, v in kv.kv_caches:
+        k[block] = value
+        v[block] = -value
+
+
+def run_request(kv, mamba, cache, tokens, prompt_len=None, hit=None):
+    """Admit a request for `tokens` (prompt = the first prompt_len), 'compute' all of it (KV
+    block i filled with i + 1 + 100 * id, state slot with a marker) and finish it."""
+    prompt_len = len(tokens) if prompt_len is None else prompt_len
+    request = FakeRequest(prompt_token_ids=tokens[:prompt_len], output_token_ids=tokens[prompt_len:], blocks=[])
+    start = 0
+    if hit is not None:
+        request.blocks, start = hit.blocks, hit.position
+    request.state = mamba.allocate(None if hit is None else hit.checkpoint.slot)
+    commit_at = cache.start(request) if hit is None else cache.resume(request, hit)
+    request.blocks += kv.allocate(kv.blocks_for(len(tokens)) - len(request.blocks))
+    for i in range(start // BS, len(request.blocks)):
+        fill_kv(kv, request.blocks[i], 1000 * id(request) % 997 + i)
+    for n in range(start + 1, len(tokens)):  # commit token by token (the last one is never fed)
+        mamba.conv_states[:, request.state.committed] = n
+        if n >= commit_at:
+            commit_at = cache.commit(request, n, request.state.committed)
+    computed = len(tokens) - 1
+    cache.finish(request, computed, request.state.committed)
+    kv.release(reversed(request.blocks))
+    mamba.free(request.state)
+    return request
+
+
+def test_resumes_at_the_deepest_checkpoint_below_the_last_token():
+    kv, mamba, cache = make()
+    prompt = list(range(10, 21))  # 11 tokens: checkpoints at 8 (interval) and 11 (prompt end)
+    run_request(kv, mamba, cache, prompt + [50, 51, 52], prompt_len=11)  # finish checkpoint at 13
+    assert cache.num_checkpoints == 3
+    positions = []
+    for tokens in (prompt + [50, 51, 52, 53], prompt + [50, 51, 52], prompt + [99], prompt, prompt[:9], prompt[:8],
+                   [1, 2, 3]):
+        hit = cache.acquire(tokens)
+        positions.append(None if hit is None else hit.position)
+        if hit is not None:
+            cache.cancel(hit)
+    # An identical prompt resumes before its last token (8, not at its prompt end 11).
+    assert positions == [13, 13, 11, 8, 8, None, None]
+
+
+def test_hit_shares_full_blocks_and_copies_the_partial_one():
+    kv, mamba, cache = make()
+    tokens = list(range(30, 43))  # a 13-token prompt, 2 tokens generated
+    run_request(kv, mamba, cache, tokens + [7, 7], prompt_len=13)  # finish at 14: 3 full blocks + 2
+    hit = cache.acquire(tokens + [7, 7, 1])
+    assert hit.position == 14 and len(hit.blocks) == 4
+    checkpoint = hit.checkpoint
+    assert checkpoint.tail == (42, 7) and checkpoint.tail_block >= 0
+    shared, own = hit.blocks[:3], hit.tail_copy
+    assert hit.blocks[3] == own
+    assert own != checkpoint.tail_block and own not in shared
+    cached = kv.num_cached
+    request = FakeRequest(prompt_token_ids=tokens + [7, 7, 1], output_token_ids=[], blocks=hit.blocks)
+    request.state = mamba.allocate(checkpoint.slot)
+    assert cache.resume(request, hit) == 16  # next: its 4th block fills
+    for k, v in kv.kv_caches:  # copy-on-write: the request's own block has the tail's KV
+        assert torch.equal(k[own], k[checkpoint.tail_block]) and torch.equal(v[own], v[checkpoint.tail_block])
+    assert torch.equal(mamba.conv_states[:, request.state.committed], mamba.conv_states[:, checkpoint.slot])
+    assert torch.equal(mamba.ssm_states[:, request.state.committed], mamba.ssm_states[:, checkpoint.slot])
+    assert kv.num_cached == cached + 1  # the tail's hold is given back: cached (and free) again
+    # Shared blocks cannot be evicted while held: allocating everything leaves them alone.
+    others = kv.allocate(kv.num_free)
+    assert not set(others) & set(hit.blocks)
+    kv.release(others)
+
+
+def test_checkpoint_state_is_an_exact_copy():
+    kv, mamba, cache = make()
+    request = FakeRequest(prompt_token_ids=list(range(8)), output_token_ids=[], blocks=kv.allocate(2))
+    request.state = mamba.allocate()
+    slot = request.state.committed
+    torch.manual_seed(0)
+    mamba.conv_states[:, slot] = torch.randn_like(mamba.conv_states[:, slot])
+    mamba.ssm_states[:, slot] = torch.randn_like(mamba.ssm_states[:, slot])
+    cache.start(request)
+    cache.commit(request, 8, slot)  # prompt end (and an interval position)
+    hit = cache.acquire(list(range(8)) + [1])
+    assert hit.position == 8
+    assert torch.equal(mamba.conv_states[:, hit.checkpoint.slot], mamba.conv_states[:, slot])
+    assert torch.equal(mamba.ssm_states[:, hit.checkpoint.slot], mamba.ssm_states[:, slot])
+    cache.cancel(hit)
+
+
+def test_cached_blocks_count_free_and_are_evicted_lru_with_their_checkpoints():
+    kv, mamba, cache = make(num_blocks=8, checkpoints=8)
+    a, b = list(range(100, 109)), list(range(200, 209))  # each: 2 full blocks, a checkpoint at 8
+    run_request(kv, mamba, cache, a)
+    run_request(kv, mamba, cache, b)
+    assert kv.num_free == 8 and kv.num_cached == 4  # nothing held: all free, 4 of them cached
+    # A live request needing 6 blocks gets them: the 4 free ones, then the least recently
+    # released cached ones -- a's (b's were released later) -- and a's checkpoint goes too.
+    live = kv.allocate(6)
+    assert kv.num_free == 2 and cache.num_checkpoints == 1
+    assert cache.acquire(a + [1]) is None
+    hit = cache.acquire(b + [1])
+    assert hit is not None and hit.position == 8
+    cache.cancel(hit)
+    kv.release(live)
+    assert kv.num_free == 8
+
+
+def test_checkpoint_budget_evicts_least_recently_used_and_unused_own_checkpoints_first():
+    kv, mamba, cache = make(checkpoints=2, interval=4)
+    run_request(kv, mamba, cache, list(range(50, 56)))  # checkpoints at 4 (interval) and 5 (finish)
+    assert cache.num_checkpoints == 2
+    # Its checkpoint at 4, which nobody used, was demoted when it finished deeper on the
+    # same prefix: the next save evicts it although it is not the least recently saved.
+    run_request(kv, mamba, cache, list(range(60, 63)))  # finish checkpoint at 2
+    positions = []
+    for tokens in (list(range(50, 56)) + [1], list(range(50, 54)) + [9], list(range(60, 63)) + [1]):
+        hit = cache.acquire(tokens)
+        positions.append(None if hit is None else hit.position)
+        if hit is not None:
+            cache.cancel(hit)
+    assert positions == [5, None, 2]
+
+
+def test_chunk_limit_and_commit_schedule():
+    kv, mamba, cache = make(interval=8)
+    assert cache.chunk_limit(0, 20, 30) == 8
+    assert cache.chunk_limit(8, 20, 30) == 8
+    assert cache.chunk_limit(3, 4, 30) == 4  # does not reach a boundary
+    assert cache.chunk_limit(20, 20, 24) == 20  # the boundary (24) is the prompt's end: no split
+    request = FakeRequest(prompt_token_ids=list(range(10)), output_token_ids=[], blocks=kv.allocate(3))
+    request.state = mamba.allocate()
+    assert cache.start(request) == 4  # first full block
+    assert cache.commit(request, 8, request.state.committed) == 10  # prompt end before the 3rd block
+    assert cache.commit(request, 10, request.state.committed) == 12
+    cache.finish(request, 10, None)  # untrusted state: nothing more saved
+    assert cache.num_checkpoints == 2
+
+
+def test_rejects_an_interval_that_is_not_a_multiple_of_the_block_size():
+    kv = KVBlockAllocator(4, BS, 1, 1, 2, torch.float32, torch.device("cpu"))
+    mamba = MambaStateAllocator(1, 1, 3, 2, 2, 2, 2, torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="prefix_cache_checkpoint_interval"):
+        PrefixCache(kv, mamba, 6)
