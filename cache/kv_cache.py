@@ -106,11 +106,6 @@ class KVBlockAllocator:
                 del self._evictable[block]
                 self._free.append(block)
 
-    def touch(self, block: int) -> None:
-        """A cached block was just reused: it is evicted last."""
-        if block in self._evictable:
-            self._evictable.move_to_end(block)
-
     def copy_block(self, src: int, dst: int) -> None:
         """Copy a block's keys and values in every layer, on the device, now (stream order
         puts it after every step launched so far and before every later one)."""

@@ -48,7 +48,7 @@ class Checkpoint:
     tail: tuple[int, ...]
     tail_block: int
     slot: int
-    used: bool = False  # a request other than its creator resumed from it
+    used: bool = False  # a request resumed from it (its creator too, readmitted after an eviction)
 
 
 @dataclass(eq=False, slots=True)
@@ -211,6 +211,10 @@ class PrefixCache:
         if progress is None or state_slot is None or num_computed == 0:
             return
         self._register_blocks(request, progress, num_computed)
+        if num_computed > _num_tokens(request):
+            # A stop among accepted drafts: the state includes drafts after the stop token,
+            # which are not the request's tokens.
+            return
         final = self._save(request, progress, num_computed, state_slot)
         if final is None:
             return
@@ -219,10 +223,12 @@ class PrefixCache:
                 self._checkpoints.move_to_end(checkpoint, last=False)
 
     def _register_blocks(self, request, progress: _Progress, num_computed: int) -> None:
-        """Add the request's full blocks below `num_computed` to the trie (an identical
-        block already there stays the canonical one; the request keeps its own copy)."""
+        """Add the request's full blocks below `num_computed` (and below its known tokens)
+        to the trie (an identical block already there stays the canonical one; the request
+        keeps its own copy)."""
         node, bs = progress.node, self.block_size
-        while node.alive and (node.depth + 1) * bs <= num_computed:
+        end = min(num_computed, _num_tokens(request))
+        while node.alive and (node.depth + 1) * bs <= end:
             i = node.depth
             tokens = _token_slice(request, i * bs, (i + 1) * bs)
             child = node.children.get(tokens)
@@ -312,6 +318,11 @@ class PrefixCache:
             blocks.append(node.block)
             node = node.parent
         return blocks[::-1]
+
+
+def _num_tokens(request) -> int:
+    """The request's known tokens: prompt and output."""
+    return len(request.prompt_token_ids) + len(request.output_token_ids)
 
 
 def _token_slice(request, start: int, end: int) -> tuple[int, ...]:

@@ -85,10 +85,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {resolved.gpu_memory_utilization}")
         if not isinstance(resolved.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {resolved.enable_prefix_caching!r}")
-        if resolved.prefix_cache_max_checkpoints is not None and (
-                not isinstance(resolved.prefix_cache_max_checkpoints, int) or resolved.prefix_cache_max_checkpoints < 0):
-            raise ValueError(f"prefix_cache_max_checkpoints must be a non-negative integer, "
-                             f"got {resolved.prefix_cache_max_checkpoints!r}")
+        checkpoints = resolved.prefix_cache_max_checkpoints
+        if checkpoints is not None and (not isinstance(checkpoints, int) or checkpoints < 0):
+            raise ValueError(f"prefix_cache_max_checkpoints must be a non-negative integer, got {checkpoints!r}")
         if resolved.prefix_cache_checkpoint_interval is None:
             block = resolved.kv_block_size
             resolved.prefix_cache_checkpoint_interval = -(-DEFAULT_CHECKPOINT_INTERVAL // block) * block

@@ -182,12 +182,14 @@ class LLMEngine:
             logger.info("max_num_seqs lowered to %d so Mamba state (%.1f MiB per request) fits", max_num_seqs,
                         seq_bytes / 2**20)
         slot_bytes = seq_bytes // (self.state_banks * self.state_positions)
-        if cfg.enable_prefix_caching and cfg.prefix_cache_max_checkpoints is None:
-            checkpoints = min(2 * max_num_seqs, max(0, int(left / 4 // slot_bytes)))
-        if cfg.num_kv_blocks is not None:
-            return max_num_seqs, cfg.num_kv_blocks, checkpoints
         block_bytes = KVBlockAllocator.bytes_per_block(cfg.kv_block_size, max(len(mc.attention_layers), 1),
                                                        mc.num_kv_heads, mc.head_dim, cfg.torch_dtype)
+        if cfg.enable_prefix_caching and cfg.prefix_cache_max_checkpoints is None:
+            # A quarter at most, and never what the requests' states and the KV floor need.
+            spare = min(left / 4, left - max_num_seqs * seq_bytes - block_bytes * self.kv_blocks_floor())
+            checkpoints = min(2 * max_num_seqs, max(0, int(spare // slot_bytes)))
+        if cfg.num_kv_blocks is not None:
+            return max_num_seqs, cfg.num_kv_blocks, checkpoints
         left -= max_num_seqs * seq_bytes + checkpoints * slot_bytes
         if left < block_bytes * self.kv_blocks_floor():
             raise ValueError(

@@ -32,8 +32,8 @@ class RequestOutput:
     """
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "finished", "finish_reason", "stop_reason",
-                 "new_token_ids", "new_text", "error", "num_cached_tokens", "_output_ids", "_num_output", "_logprobs", "_text_parts",
-                 "_num_text_parts", "_text_tail")
+                 "new_token_ids", "new_text", "error", "num_cached_tokens", "_output_ids", "_num_output", "_logprobs",
+                 "_text_parts", "_num_text_parts", "_text_tail")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], output_ids: list[int],
                  logprobs: list[dict[int, float]] | None, text_parts: list[str] | None, text_tail: str,

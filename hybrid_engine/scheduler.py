@@ -394,8 +394,6 @@ class Scheduler:
         request, accepted, num_drafts = chunk.request, verified.num_accepted, len(chunk.drafts)
         request.num_computed = chunk.start + 1 + accepted
         self.mamba.commit(request.state, chunk.state_dsts, accepted)
-        if request.num_computed >= request.cache_commit_at:
-            self._cache_commit(request)
         request.pending_samples -= chunk.num_samples
         if request.inflight == 0:
             request.inflight_drafts = []
@@ -407,6 +405,9 @@ class Scheduler:
             self._append_sample(request, token, None if verified.logprobs is None else verified.logprobs[j], result)
             if request.finished:
                 break
+        # (After the appends: the cache reads the accepted drafts' tokens from the output.)
+        if not request.finished and request.num_computed >= request.cache_commit_at:
+            self._cache_commit(request)
         # Counted: the drafts verified, and those accepted before a stop ended the request.
         result.num_proposed += num_drafts
         result.num_accepted += min(accepted, j + 1)

@@ -15,7 +15,8 @@ BS = 4  # tokens per KV block
 
 def make(num_blocks=32, checkpoints=4, interval=8, seqs=4):
     kv = KVBlockAllocator(num_blocks, BS, 2, 1, 2, torch.float32, torch.device("cpu"))
-    mamba = MambaStateAllocator(seqs, 2, 3, 2, 2, 2, 2, torch.float32, torch.device("cpu"), checkpoint_slots=checkpoints)
+    mamba = MambaStateAllocator(seqs, 2, 3, 2, 2, 2, 2, torch.float32, torch.device("cpu"),
+                                checkpoint_slots=checkpoints)
     return kv, mamba, PrefixCache(kv, mamba, interval)
 
 

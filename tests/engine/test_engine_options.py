@@ -114,7 +114,8 @@ def test_gpu_memory_utilization_sizes_the_kv_cache():
     weights, the activation reserve, the Mamba state and the prefix cache's checkpoints (a
     fixed count here: by default they scale with memory too): lowering the fraction by 0.2
     removes 0.2 x (GPU memory) / (bytes per block) blocks, since nothing else changes."""
-    kwargs = dict(model=f"preset:{SMALLEST_PRESET}", max_num_seqs=64, cuda_graphs=False, prefix_cache_max_checkpoints=16)
+    kwargs = dict(model=f"preset:{SMALLEST_PRESET}", max_num_seqs=64, cuda_graphs=False,
+                  prefix_cache_max_checkpoints=16)
     total_memory = torch.cuda.mem_get_info()[1]
     blocks = {}
     for fraction in (0.5, 0.3):

@@ -236,7 +236,8 @@ def test_prompt_end_checkpoint_equals_the_state_its_prefill_produced(checkpoint)
             hit = engine.prefix_cache.acquire(prompt + [5])
             assert hit.position == len(prompt)
             checkpoint_slot = hit.checkpoint.slot
-            checkpoint_state = (engine.mamba.conv_states[:, checkpoint_slot], engine.mamba.ssm_states[:, checkpoint_slot])
+            checkpoint_state = (engine.mamba.conv_states[:, checkpoint_slot],
+                                engine.mamba.ssm_states[:, checkpoint_slot])
             engine.prefix_cache.cancel(hit)
     for a, b, c in zip(checkpoint_state, states[0], states[1]):
         assert torch.equal(a, b) and torch.equal(b, c)
