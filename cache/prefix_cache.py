@@ -211,7 +211,7 @@ class PrefixCache:
         if progress is None or state_slot is None or num_computed == 0:
             return
         self._register_blocks(request, progress, num_computed)
-        if num_computed > _num_tokens(request):
+        if num_computed > request.num_tokens:
             # A stop among accepted drafts: the state includes drafts after the stop token,
             # which are not the request's tokens.
             return
@@ -227,7 +227,7 @@ class PrefixCache:
         to the trie (an identical block already there stays the canonical one; the request
         keeps its own copy)."""
         node, bs = progress.node, self.block_size
-        end = min(num_computed, _num_tokens(request))
+        end = min(num_computed, request.num_tokens)
         while node.alive and (node.depth + 1) * bs <= end:
             i = node.depth
             tokens = _token_slice(request, i * bs, (i + 1) * bs)
@@ -318,11 +318,6 @@ class PrefixCache:
             blocks.append(node.block)
             node = node.parent
         return blocks[::-1]
-
-
-def _num_tokens(request) -> int:
-    """The request's known tokens: prompt and output."""
-    return len(request.prompt_token_ids) + len(request.output_token_ids)
 
 
 def _token_slice(request, start: int, end: int) -> tuple[int, ...]:

@@ -29,6 +29,10 @@ class FakeRequest:
     blocks: list[int] = field(default_factory=list)
     state: object = None
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
 
 def fill_kv(kv, block, value):
     for k, v in kv.kv_caches:
