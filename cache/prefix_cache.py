@@ -163,19 +163,21 @@ class PrefixCache:
         checkpoint.used = True
         self._checkpoints.move_to_end(checkpoint)
         progress = self._progress[request] = _Progress(checkpoint.node)
-        return self._next_commit(progress, hit.position, len(request.prompt_token_ids))
+        return self._next_commit(progress, hit.position, request.prompt_checkpoint)
 
     def start(self, request) -> int:
         """The request was admitted without a hit: its registration starts at the root.
         Returns the committed length at which to call `commit`."""
         progress = self._progress[request] = _Progress(self.root)
-        return self._next_commit(progress, 0, len(request.prompt_token_ids))
+        return self._next_commit(progress, 0, request.prompt_checkpoint)
 
     def chunk_limit(self, start: int, num_tokens: int, prompt_len: int) -> int:
         """`num_tokens`, shortened so a prefill chunk from `start` ends at the next
-        checkpoint position inside the prompt (a state exists only at a chunk's end)."""
-        boundary = (start // self.interval + 1) * self.interval
-        if boundary < prompt_len and boundary < start + num_tokens:
+        checkpoint position: an interval position inside the prompt, or the prompt's end
+        (`prompt_len`: `Request.prompt_checkpoint`) when tokens follow it (a state exists
+        only at a chunk's end)."""
+        boundary = min((start // self.interval + 1) * self.interval, prompt_len)
+        if start < boundary < start + num_tokens:
             return boundary - start
         return num_tokens
 
@@ -187,7 +189,7 @@ class PrefixCache:
         length at which to call again."""
         progress = self._progress[request]
         self._register_blocks(request, progress, num_computed)
-        prompt_len = len(request.prompt_token_ids)
+        prompt_len = request.prompt_checkpoint
         if num_computed == prompt_len or (num_computed < prompt_len and num_computed % self.interval == 0):
             self._save(request, progress, num_computed, state_slot)
         return self._next_commit(progress, num_computed, prompt_len)

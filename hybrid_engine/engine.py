@@ -21,6 +21,7 @@ import gc
 import logging
 import os
 import random
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -41,6 +42,7 @@ from hybrid_engine.runner import ModelRunner
 from hybrid_engine.sampling import derive_seed
 from hybrid_engine.sampling_params import SamplingParams
 from hybrid_engine.scheduler import RetiredStep, Scheduler, SchedulerOutput
+from hybrid_engine.spec.draft_model import DRAFT_CHECKPOINTS_PER_SEQ, DraftModel, draft_engine_config
 from hybrid_engine.spec.drafter import Drafter
 from hybrid_engine.step import StepHandle, StepSamples
 from hybrid_engine.tokenizer import build_byte_tokenizer, load_tokenizer
@@ -49,6 +51,35 @@ from layers.kernels import select_ops
 logger = logging.getLogger(__name__)
 
 PRESET_PREFIX = "preset:"
+
+
+@dataclass(frozen=True)
+class PoolBytes:
+    """Device bytes of a model's pools: the Mamba state copies one request owns, one state
+    copy (a checkpoint slot), one KV block."""
+
+    per_seq: int
+    per_slot: int
+    per_block: int
+
+
+@dataclass
+class LoadedModel:
+    """A model's weights on the device, with its HF config, tokenizer and display name."""
+
+    model: Any
+    hf_config: dict
+    tokenizer: Any
+    name: str
+
+
+def load_engine_model(cfg: EngineConfig, kernels: Any) -> LoadedModel:
+    """Load the model `cfg.model` names (None: the embedded one; "preset:NAME"; a checkpoint
+    directory) with the kernels `kernels` (`layers.kernels.select_ops`)."""
+    hf_config, path, tokenizer, name, weight_seed = _resolve_model(cfg)
+    model = load_model(hf_config, path, torch.device(cfg.device), cfg.torch_dtype, cfg.load_format, weight_seed,
+                       ops=kernels)
+    return LoadedModel(model, hf_config, tokenizer, name)
 
 
 def _resolve_model(cfg: EngineConfig) -> tuple[dict, str | None, Any, str, int]:
@@ -69,16 +100,17 @@ def _resolve_model(cfg: EngineConfig) -> tuple[dict, str | None, Any, str, int]:
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache and a Mamba state slot pool."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        """`loaded`: the model, already on the device (a draft engine's); else loaded here."""
         self._user_max_num_seqs = config.max_num_seqs is not None
         self.config = cfg = config.resolve()
         self.device = torch.device(cfg.device)
-        hf_config, path, self.tokenizer, self.model_name, weight_seed = _resolve_model(cfg)
-        self.config = cfg = dataclasses.replace(
-            cfg, mamba_ssm_cache_dtype=resolve_mamba_ssm_cache_dtype(cfg.mamba_ssm_cache_dtype, hf_config))
         self.kernels = select_ops(self.device)
-        self.model = load_model(hf_config, path, self.device, cfg.torch_dtype, cfg.load_format, weight_seed,
-                                ops=self.kernels)
+        if loaded is None:
+            loaded = load_engine_model(cfg, self.kernels)
+        self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
+        self.config = cfg = dataclasses.replace(
+            cfg, mamba_ssm_cache_dtype=resolve_mamba_ssm_cache_dtype(cfg.mamba_ssm_cache_dtype, loaded.hf_config))
         mc = self.model_config = self.model.config
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
@@ -86,12 +118,25 @@ class LLMEngine:
             else set()
         )
         spec = cfg.speculative_config
-        self.drafter = None if spec is None else Drafter(spec, mc.vocab_size)
         max_drafts = 0 if spec is None else spec.num_speculative_tokens
         # Launch-ahead keeps the committed state while a row writes its successor (two
         # banks, ping-pong); a verify row writes the state after each of its positions.
         self.state_banks, self.state_positions = (2 if cfg.async_scheduling else 1), 1 + max_drafts
-        max_num_seqs, num_blocks, checkpoint_slots = self._size_pools()
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            # Its weights are loaded first: the pools below are sized in what is left.
+            draft_config = draft_engine_config(cfg, spec)
+            try:
+                draft = load_engine_model(draft_config, self.kernels)
+            except ValueError as error:
+                raise ValueError(f"speculative_config.model: {error}") from error
+            if draft.model.config.vocab_size != mc.vocab_size:
+                raise ValueError(f"speculative_config.model {spec.model!r} has a vocabulary of "
+                                 f"{draft.model.config.vocab_size} tokens; the target's has {mc.vocab_size}")
+        max_num_seqs, num_blocks, checkpoint_slots = self._size_pools(
+            None if draft is None else self._pool_bytes(
+                draft.model.config, resolve_mamba_ssm_cache_dtype(draft_config.mamba_ssm_cache_dtype, draft.hf_config),
+                self.state_banks))
         self.kv = KVBlockAllocator(num_blocks, cfg.kv_block_size, len(mc.attention_layers), mc.num_kv_heads,
                                    mc.head_dim, cfg.torch_dtype, self.device)
         self.limits = RequestLimits(vocab_size=mc.vocab_size, max_model_len=self.max_model_len,
@@ -100,6 +145,15 @@ class LLMEngine:
                                          mc.mamba_num_heads, mc.mamba_head_dim, mc.ssm_state_size, cfg.torch_dtype,
                                          self.device, banks=self.state_banks, row_positions=self.state_positions,
                                          ssm_dtype=DTYPES[cfg.mamba_ssm_cache_dtype], checkpoint_slots=checkpoint_slots)
+        self.draft_engine = None
+        if draft is not None:
+            # As many requests and KV blocks as the target (the draft's own bytes were
+            # counted in each), and the checkpoints its proposals resume from.
+            self.draft_engine = LLMEngine(dataclasses.replace(
+                draft_config, max_num_seqs=max_num_seqs, num_kv_blocks=num_blocks,
+                prefix_cache_max_checkpoints=DRAFT_CHECKPOINTS_PER_SEQ * max_num_seqs), loaded=draft)
+        self.drafter = None if spec is None else Drafter(
+            spec, mc.vocab_size, None if draft is None else DraftModel(self.draft_engine))
         self.prefix_cache = None
         if cfg.enable_prefix_caching:
             self.prefix_cache = PrefixCache(self.kv, self.mamba, cfg.prefix_cache_checkpoint_interval)
@@ -139,14 +193,28 @@ class LLMEngine:
         self.runner.buffer.num_syncs = 0  # capture's own copies are not steps
 
     # ---- sizing ----------------------------------------------------------------------
-    def _size_pools(self) -> tuple[int, int, int]:
+    def _pool_bytes(self, mc: Any, ssm_cache_dtype: str, banks: int, positions: int = 1) -> PoolBytes:
+        """What a model's pools cost, with this engine's dtype and KV block size
+        (`ssm_cache_dtype`: a resolved `mamba_ssm_cache_dtype`)."""
+        cfg = self.config
+        slot = MambaStateAllocator.bytes_per_seq(len(mc.mamba_layers), mc.mamba_conv_dim, mc.conv_kernel - 1,
+                                                 mc.mamba_num_heads, mc.mamba_head_dim, mc.ssm_state_size,
+                                                 cfg.torch_dtype, copies_per_request=1,
+                                                 ssm_dtype=DTYPES[ssm_cache_dtype])
+        block = KVBlockAllocator.bytes_per_block(cfg.kv_block_size, max(len(mc.attention_layers), 1),
+                                                 mc.num_kv_heads, mc.head_dim, cfg.torch_dtype)
+        return PoolBytes(per_seq=slot * banks * positions, per_slot=slot, per_block=block)
+
+    def _size_pools(self, draft: PoolBytes | None = None) -> tuple[int, int, int]:
         """(max_num_seqs, num_kv_blocks, prefix-cache checkpoint slots): given values win;
         on CUDA the rest fills memory.
 
         A default `max_num_seqs` shrinks until its Mamba state takes at most half of what
         is left after weights and activations; default checkpoints (2 per max_num_seqs)
         take at most a quarter; the rest is KV cache. An explicit size that does not fit
-        is an error.
+        is an error. A draft model (`draft`: its pools' bytes) gets as many requests and KV
+        blocks as the target, plus its proposals' checkpoints: each request and each block
+        costs both models' bytes.
         """
         cfg, mc = self.config, self.model_config
         max_num_seqs = cfg.max_num_seqs
@@ -164,11 +232,11 @@ class LLMEngine:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         budget = free - (1.0 - cfg.gpu_memory_utilization) * total
-        seq_bytes = MambaStateAllocator.bytes_per_seq(len(mc.mamba_layers), mc.mamba_conv_dim, mc.conv_kernel - 1,
-                                                      mc.mamba_num_heads, mc.mamba_head_dim, mc.ssm_state_size,
-                                                      cfg.torch_dtype,
-                                                      copies_per_request=self.state_banks * self.state_positions,
-                                                      ssm_dtype=DTYPES[cfg.mamba_ssm_cache_dtype])
+        own = self._pool_bytes(mc, cfg.mamba_ssm_cache_dtype, self.state_banks, self.state_positions)
+        seq_bytes, slot_bytes, block_bytes = own.per_seq, own.per_slot, own.per_block
+        if draft is not None:
+            seq_bytes += draft.per_seq + DRAFT_CHECKPOINTS_PER_SEQ * draft.per_slot
+            block_bytes += draft.per_block
         # Activations of the largest step plus sampling scratch: a generous estimate.
         width = max(mc.hidden_size * 4, mc.mamba_d_ssm * 2 + mc.mamba_conv_dim, mc.intermediate_size,
                     mc.moe_intermediate_size * max(mc.top_k, 1))
@@ -181,9 +249,6 @@ class LLMEngine:
             tokens_needed = max_num_seqs * self.max_model_len
             logger.info("max_num_seqs lowered to %d so Mamba state (%.1f MiB per request) fits", max_num_seqs,
                         seq_bytes / 2**20)
-        slot_bytes = seq_bytes // (self.state_banks * self.state_positions)
-        block_bytes = KVBlockAllocator.bytes_per_block(cfg.kv_block_size, max(len(mc.attention_layers), 1),
-                                                       mc.num_kv_heads, mc.head_dim, cfg.torch_dtype)
         if cfg.enable_prefix_caching and cfg.prefix_cache_max_checkpoints is None:
             # A quarter at most, and never what the requests' states and the KV floor need.
             spare = min(left / 4, left - max_num_seqs * seq_bytes - block_bytes * self.kv_blocks_floor())
@@ -247,6 +312,15 @@ class LLMEngine:
         seed = derived_seed if params.seed is None else params.seed
         text = prompt if isinstance(prompt, str) else None
         return Request(request_id, text, ids, params, seed, eos, detok)
+
+    def enqueue(self, request: Request) -> None:
+        """Queue a request built by the caller, as it is: no validation, no detokenizer
+        (a draft model's proposal, spec/draft_model.py: its tokens come from a validated
+        request, and it may arrive with output already generated). Its id must be unused."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
 
     def abort_request(self, request_id: str) -> None:
         """Finish a request with reason 'abort' (its final output comes from the next step)."""

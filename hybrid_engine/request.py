@@ -105,6 +105,10 @@ class Request:
     # until admitted), and the committed length at which the cache registers it next.
     num_cached_tokens: int | None = None
     cache_commit_at: int = NEVER
+    # Where the cache keeps the request's prompt-end checkpoint when that is not the
+    # prompt's end: a draft model's proposal sets the end of the target's committed tokens,
+    # where its next proposal resumes (spec/draft_model.py).
+    checkpoint_at: int | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
@@ -120,6 +124,12 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt plus generated tokens: everything whose KV/state must eventually exist."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def prompt_checkpoint(self) -> int:
+        """Position of the request's prompt-end checkpoint (prefix caching): prefill chunks
+        end there, and at interval positions before it."""
+        return len(self.prompt_token_ids) if self.checkpoint_at is None else self.checkpoint_at
 
     @property
     def num_tokens_when_retired(self) -> int:

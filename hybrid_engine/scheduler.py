@@ -56,7 +56,7 @@ from cache.kv_cache import KVBlockAllocator
 from cache.mamba_cache import MambaStateAllocator
 from cache.prefix_cache import PrefixCache, PrefixHit
 from hybrid_engine.request import Request, RequestStatus
-from hybrid_engine.spec.drafter import Drafter
+from hybrid_engine.spec.drafter import Drafter, DraftRow
 
 logger = logging.getLogger(__name__)
 
@@ -245,29 +245,27 @@ class Scheduler:
         prefill chunk, and stay within max_tokens and the context, so K shrinks and no one
         waits for a draft. A large batch whose drafts are too sparse to pay for widening
         every row (`Drafter.worth_widening`) runs without them."""
-        proposals: list[list[int]] = []
+        rows: list[DraftRow] = []
         for chunk in decodes:
             request, n_tokens = chunk.request, chunk.start + 1
             n_out = len(request.output_token_ids) + request.pending_samples
-            room = min(self.drafter.num_speculative_tokens, budget, request.params.max_tokens - n_out - 1,
-                       self.max_model_len - n_tokens - 1,
-                       (len(request.blocks) + self.kv.num_free) * self.kv.block_size - n_tokens)
-            drafts: list[int] = []
-            if room > 0:
-                # The input token is in flight when launch-ahead has not retired its sample yet.
-                in_flight = chunk.start >= len(request.prompt_token_ids) + len(request.output_token_ids)
-                drafts = self.drafter.drafts(request, room, in_flight)
-                self._reserve(request, n_tokens + len(drafts))
-                budget -= len(drafts)
-            proposals.append(drafts)
+            room = max(0, min(self.drafter.num_speculative_tokens, budget, request.params.max_tokens - n_out - 1,
+                              self.max_model_len - n_tokens - 1,
+                              (len(request.blocks) + self.kv.num_free) * self.kv.block_size - n_tokens))
+            if room:
+                self._reserve(request, n_tokens + room)  # (what is not drafted is given back below)
+                budget -= room
+            # The input token is in flight when launch-ahead has not retired its sample yet.
+            in_flight = chunk.start >= len(request.prompt_token_ids) + len(request.output_token_ids)
+            rows.append(DraftRow(request, room, in_flight))
+        proposals = self.drafter.propose(rows)
         num_drafts = sum(map(len, proposals))
         if num_drafts and not self.drafter.worth_widening(len(decodes), num_drafts):
-            for chunk, drafts in zip(decodes, proposals):
-                if drafts:
-                    self._unreserve(chunk.request, chunk.start + 1)
             proposals = [[] for _ in decodes]
-        for chunk, drafts in zip(decodes, proposals):
+        for chunk, drafts, row in zip(decodes, proposals, rows):
             request = chunk.request
+            if row.max_drafts:
+                self._unreserve(request, chunk.start + 1 + len(drafts))
             chunk.drafts, chunk.num_tokens = drafts, 1 + len(drafts)
             chunk.state_src, chunk.state_dsts = self.mamba.launch(request.state, chunk.num_tokens)
             request.inflight_drafts = drafts
@@ -305,7 +303,7 @@ class Scheduler:
         if n <= 0:
             return None
         if self.cache is not None:
-            n = self.cache.chunk_limit(start, n, len(request.prompt_token_ids))
+            n = self.cache.chunk_limit(start, n, request.prompt_checkpoint)
         self._reserve(request, start + n)
         return ScheduledChunk(request, start, n, samples=start + n == end)
 

@@ -8,7 +8,14 @@ Proposers: `oracle` (proposes the continuation the speculative engine itself pro
 acceptance ~100%, the ceiling of any proposer; found by iterating from the non-speculative
 run's output until a run reproduces its own drafts, because bf16 verify steps round
 differently and dummy weights give near-ties that flip -- `calib` runs it took), `adversarial` (always wrong: acceptance 0, shows the
-cost of verifying and the back-off), `ngram` (prompt lookup, on prompts that repeat a text).
+cost of verifying and the back-off), `ngram` (prompt lookup, on prompts that repeat a text),
+and draft models: `draft-small` (a 6-layer, 1024-wide dummy-weight hybrid with the target's
+vocabulary; random weights, so its drafts are rarely accepted: the cost of a draft model
+that does not help) and `draft-self` (the target drafting for itself: every draft accepted
+up to bf16 rounding; the cost of a draft as large as the target).
+
+    python scripts/bench_spec.py --model preset:nemotron-h-8b --batches 1 8 --proposers draft-small draft-self
+
 Each row is the median of `--repeats` timed runs after a warm-up run: `speedup` counts the
 whole run (prefill included), `decode_speedup` the tokens after every request had its first
 one (the decode phase speculation speeds up); `agree` is the share
@@ -20,6 +27,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -28,6 +36,28 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import StepProbe, peer_model_dir  # noqa: E402
 
 from hybrid_engine import LLM, SamplingParams  # noqa: E402
+from hybrid_engine.models.loader import read_config  # noqa: E402
+from hybrid_engine.models.presets import get_preset  # noqa: E402
+
+# The small draft model: NemotronH, 6 layers (3 Mamba-2, 1 attention, 2 MLP), 1024 wide.
+SMALL_DRAFT = dict(hybrid_override_pattern="M-M*M-", num_hidden_layers=6, hidden_size=1024, intermediate_size=4096,
+                   num_attention_heads=8, num_key_value_heads=2, mamba_head_dim=64, mamba_num_heads=32, n_groups=8)
+
+
+def target_config(model: str) -> dict:
+    """The target's config.json dict ("preset:NAME" or a checkpoint directory)."""
+    return get_preset(model.removeprefix("preset:")) if model.startswith("preset:") else read_config(model)
+
+
+def small_draft_dir(target: dict) -> str:
+    """A checkpoint directory holding the small draft's config.json (dummy weights): the
+    target's NemotronH config, vocabulary included, at SMALL_DRAFT's size."""
+    if target.get("model_type") != "nemotron_h":
+        raise SystemExit("draft-small is a NemotronH draft: use a NemotronH target")
+    path = tempfile.mkdtemp(prefix="small-draft-")
+    with open(f"{path}/config.json", "w") as f:
+        json.dump({**target, **SMALL_DRAFT}, f)
+    return path
 
 
 class OracleProposer:
@@ -122,13 +152,16 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=255)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--proposers", nargs="+", default=["oracle", "adversarial", "ngram"])
+    p.add_argument("--model", help="target: 'preset:NAME' or a checkpoint directory (default: bench_decode's "
+                                   "peer shapes); weights are dummy")
+    p.add_argument("--proposers", nargs="+", default=["oracle", "adversarial", "ngram"],
+                   choices=["oracle", "adversarial", "ngram", "draft-small", "draft-self"])
     p.add_argument("--eager", action="store_true", help="serial eager instead of async + CUDA graphs")
     p.add_argument("--probe", action="store_true", help="add GPU busy / host time per step columns")
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args()
 
-    model = peer_model_dir()
+    model = args.model or peer_model_dir()
     common = dict(model=model, load_format="dummy", dtype="bfloat16", max_num_seqs=max(args.batches),
                   max_model_len=args.prompt_len + args.output_len + 16)
     if args.eager:
@@ -139,6 +172,9 @@ def main() -> None:
     configs = {"oracle": {"method": "proposer", "proposer": oracle},
                "adversarial": {"method": "proposer", "proposer": adversarial},
                "ngram": {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5}}
+    if "draft-small" in args.proposers:
+        configs["draft-small"] = {"method": "draft_model", "model": small_draft_dir(target_config(model))}
+    configs["draft-self"] = {"method": "draft_model", "model": model}
     base = LLM(**common)
     for name in args.proposers:
         spec_llms[name] = LLM(**common, speculative_config={**configs[name], "num_speculative_tokens": args.k})

@@ -74,7 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-read-timeout", type=float, default=defaults.request_read_timeout,
                    help="seconds a request's head and body have to arrive in full before the connection is closed")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+                        '\'{"method": "draft_model", "model": "PATH", "num_speculative_tokens": 4}\' '
                         "(docs/speculative.md; default: off)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     args = p.parse_args(argv)
@@ -128,7 +129,7 @@ def _speculative_config(p: argparse.ArgumentParser, text: str | None) -> dict | 
         p.error(f"--speculative-config must be a JSON object, got {text!r}")
     if value.get("method") == "proposer":
         p.error("--speculative-config: method 'proposer' takes a Python object: use the library "
-                "(LLM(speculative_config=...)); the server offers 'ngram'")
+                "(LLM(speculative_config=...)); the server offers 'ngram' and 'draft_model'")
     try:
         SpeculativeConfig.from_dict(value)
     except ValueError as exc:

@@ -2,7 +2,7 @@
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "proposer")
+METHODS = ("ngram", "draft_model", "proposer")
 # Drafts per verify row: each costs a Mamba state copy per request and a verified position.
 MAX_SPECULATIVE_TOKENS = 16
 # vLLM's defaults when neither prompt-lookup bound is given.
@@ -15,6 +15,9 @@ class SpeculativeConfig:
 
     - "ngram": prompt lookup -- the tokens that followed the latest earlier occurrence of
       the context's last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`);
+    - "draft_model": a second model (`model`: a checkpoint directory or "preset:NAME", with
+      the target's vocabulary) samples the drafts with each request's own sampling
+      parameters and noise (spec/draft_model.py);
     - "proposer": `proposer.propose(request_id, token_ids, num_tokens) -> list[int]`, any
       object of the caller's.
     """
@@ -24,6 +27,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     proposer: Any = None
+    model: str | None = None
 
     @staticmethod
     def from_dict(value: "dict | SpeculativeConfig") -> "SpeculativeConfig":
@@ -37,8 +41,6 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: {sorted(known)}")
         method = value.get("method")
-        if method == "draft_model":
-            raise ValueError("speculative_config.method 'draft_model' is not supported yet; use 'ngram' or 'proposer'")
         if method not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {list(METHODS)}, got {method!r}")
         k = value.get("num_speculative_tokens")
@@ -46,23 +48,28 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in "
                              f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
-        proposer = value.get("proposer")
+        proposer, model = value.get("proposer"), value.get("model")
+        if model is not None and method != "draft_model":
+            raise ValueError("speculative_config.model is only for method 'draft_model'")
+        if proposer is not None and method != "proposer":
+            raise ValueError("speculative_config.proposer is only for method 'proposer'")
+        if method != "ngram" and (lo is not None or hi is not None):
+            raise ValueError("speculative_config.prompt_lookup_min/max are only for method 'ngram'")
         if method == "ngram":
-            if proposer is not None:
-                raise ValueError("speculative_config.proposer is only for method 'proposer'")
             lo, hi = (DEFAULT_PROMPT_LOOKUP, DEFAULT_PROMPT_LOOKUP) if lo is None and hi is None else (lo or hi, hi or lo)
             for name, n in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
                 if not _is_int(n) or n < 1:
                     raise ValueError(f"speculative_config.{name} must be a positive integer, got {n!r}")
             if lo > hi:
                 raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
-        else:
-            if lo is not None or hi is not None:
-                raise ValueError("speculative_config.prompt_lookup_min/max are only for method 'ngram'")
-            if not callable(getattr(proposer, "propose", None)):
-                raise ValueError("speculative_config.proposer must be an object with a propose(request_id, "
-                                 "token_ids, num_tokens) method")
-        return SpeculativeConfig(method, k, lo, hi, proposer)
+        elif method == "draft_model":
+            if not isinstance(model, str) or not model:
+                raise ValueError(f"speculative_config.model must be a checkpoint directory or 'preset:NAME', "
+                                 f"got {model!r}")
+        elif not callable(getattr(proposer, "propose", None)):
+            raise ValueError("speculative_config.proposer must be an object with a propose(request_id, "
+                             "token_ids, num_tokens) method")
+        return SpeculativeConfig(method, k, lo, hi, proposer, model)
 
 
 def _is_int(value: object) -> bool:

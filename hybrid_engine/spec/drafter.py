@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from hybrid_engine.request import Request
 from hybrid_engine.spec.config import SpeculativeConfig
+from hybrid_engine.spec.draft_model import DraftModel, DraftQuery
 from hybrid_engine.spec.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
@@ -50,48 +51,94 @@ def _as_int(value: object) -> int | None:
         return None
 
 
-class Drafter:
-    """The scheduler's source of drafts (one per engine)."""
+@dataclass(slots=True)
+class DraftRow:
+    """A decode row that may carry drafts: at most `max_drafts` of them, for the positions
+    after its input token; `input_in_flight`: that token is still being sampled on the
+    device (launch-ahead), so the drafts also follow the request's in-flight drafts."""
 
-    def __init__(self, config: SpeculativeConfig, vocab_size: int):
+    request: Request
+    max_drafts: int
+    input_in_flight: bool
+
+
+class Drafter:
+    """The scheduler's source of drafts (one per engine). `draft_model`: the method
+    "draft_model"'s proposer (built by the engine, which sizes its memory)."""
+
+    def __init__(self, config: SpeculativeConfig, vocab_size: int, draft_model: DraftModel | None = None):
         self.config = config
         self.num_speculative_tokens = config.num_speculative_tokens
         self.vocab_size = vocab_size
+        self.draft_model = draft_model
+        self._draft_model_warned = False
         if config.method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         else:
             self.proposer = config.proposer
         self._history: dict[str, _DraftHistory] = {}  # by request id, dropped at `release`
 
-    def drafts(self, request: Request, max_drafts: int, input_in_flight: bool) -> list[int]:
-        """At most `max_drafts` drafts for the positions after the request's next input
-        token. `input_in_flight`: that token is still being sampled on the device, so the
-        proposer is asked for one more token (its guess of it) and the guess is dropped."""
-        history = self._history.get(request.request_id)
+    def propose(self, rows: list[DraftRow]) -> list[list[int]]:
+        """The drafts of a step's decode rows, one list per row (at most `max_drafts`
+        each): one batched call to a draft model, else one proposer call per row."""
+        queries: list[DraftQuery] = []
+        asked: list[int] = []
+        for i, row in enumerate(rows):
+            if row.max_drafts > 0 and self._wants_drafts(row):
+                # An input token in flight is still being sampled on the device: the
+                # proposer is asked for one more token (its guess of it), dropped below.
+                extra = row.request.inflight_drafts if row.input_in_flight else []
+                queries.append(DraftQuery(row.request, extra, row.max_drafts + row.input_in_flight))
+                asked.append(i)
+        drafts: list[list[int]] = [[] for _ in rows]
+        proposals = self._draft_model_proposals(queries) if self.draft_model is not None else map(
+            self._proposal, queries)
+        for i, proposal in zip(asked, proposals):
+            drafts[i] = proposal[1:] if rows[i].input_in_flight else proposal
+        return drafts
+
+    def _wants_drafts(self, row: DraftRow) -> bool:
+        """Whether the row's request drafts this step (backoff and trust rules above)."""
+        history = self._history.get(row.request.request_id)
         if history is None:
-            history = self._history[request.request_id] = _DraftHistory()
+            history = self._history[row.request.request_id] = _DraftHistory()
         if history.skip:
             history.skip -= 1
-            return []
-        if input_in_flight and request.inflight_drafts and not history.trusted:
-            return []  # launched on an untrusted verify row: likely rejected, so kept narrow
-        extra = request.inflight_drafts if input_in_flight else []
-        wanted = max_drafts + input_in_flight
+            return False
+        # Launched on an untrusted verify row, a row is likely rejected: kept narrow.
+        return not (row.input_in_flight and row.request.inflight_drafts and not history.trusted)
+
+    def _proposal(self, query: DraftQuery) -> list[int]:
+        """One proposer call; a failure costs this request's drafts, nothing else."""
+        request = query.request
         try:
             if isinstance(self.proposer, NgramProposer):  # keeps its own copy: no context to build
-                proposed = self.proposer.propose_after(request.prompt_token_ids, request.output_token_ids, extra,
-                                                       request.request_id, wanted)
+                proposed = self.proposer.propose_after(request.prompt_token_ids, request.output_token_ids,
+                                                       query.extra, request.request_id, query.num_tokens)
             else:
-                context = request.prompt_token_ids + request.output_token_ids + extra
-                proposed = self.proposer.propose(request.request_id, context, wanted)
-            drafts = self._check(proposed, wanted)
-        except Exception as error:  # a proposer bug costs this request's drafts, nothing else
+                context = request.prompt_token_ids + request.output_token_ids + query.extra
+                proposed = self.proposer.propose(request.request_id, context, query.num_tokens)
+            return self._check(proposed, query.num_tokens)
+        except Exception as error:
+            history = self._history[request.request_id]
             if not history.warned:
                 history.warned = True
                 logger.warning("speculative proposer failed for request %s (%s: %s); it gets no drafts this "
                                "step (logged once per request)", request.request_id, type(error).__name__, error)
             return []
-        return drafts[1:] if input_in_flight else drafts
+
+    def _draft_model_proposals(self, queries: list[DraftQuery]) -> list[list[int]]:
+        """All queries' drafts from the draft model in one batched run; a failure costs
+        this step's drafts (logged once), never the engine."""
+        if not queries:
+            return []
+        try:
+            return [self._check(p, q.num_tokens) for p, q in zip(self.draft_model.propose(queries), queries)]
+        except Exception:
+            if not self._draft_model_warned:
+                self._draft_model_warned = True
+                logger.exception("the draft model failed; this step has no drafts (logged once)")
+            return [[] for _ in queries]
 
     def _check(self, proposed: object, wanted: int) -> list[int]:
         """The proposal as a list of at most `wanted` token ids, or ValueError."""

@@ -28,10 +28,15 @@ class FakeRequest:
     output_token_ids: list[int]
     blocks: list[int] = field(default_factory=list)
     state: object = None
+    checkpoint_at: int | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def prompt_checkpoint(self) -> int:
+        return len(self.prompt_token_ids) if self.checkpoint_at is None else self.checkpoint_at
 
 
 def fill_kv(kv, block, value):
@@ -162,7 +167,11 @@ def test_chunk_limit_and_commit_schedule():
     assert cache.chunk_limit(0, 20, 30) == 8
     assert cache.chunk_limit(8, 20, 30) == 8
     assert cache.chunk_limit(3, 4, 30) == 4  # does not reach a boundary
-    assert cache.chunk_limit(20, 20, 24) == 20  # the boundary (24) is the prompt's end: no split
+    assert cache.chunk_limit(20, 4, 24) == 4  # ends at the prompt's end
+    # Tokens after the prompt's end (a recomputed request's output, a draft proposal's
+    # in-flight drafts): the chunk splits there, where the prompt-end checkpoint goes.
+    assert cache.chunk_limit(20, 20, 24) == 4
+    assert cache.chunk_limit(24, 20, 24) == 20
     request = FakeRequest(prompt_token_ids=list(range(10)), output_token_ids=[], blocks=kv.allocate(3))
     request.state = mamba.allocate()
     assert cache.start(request) == 4  # first full block
@@ -170,6 +179,24 @@ def test_chunk_limit_and_commit_schedule():
     assert cache.commit(request, 10, request.state.committed) == 12
     cache.finish(request, 10, None)  # untrusted state: nothing more saved
     assert cache.num_checkpoints == 2
+
+
+def test_a_request_may_place_its_prompt_end_checkpoint_later():
+    """`checkpoint_at` (a draft proposal: the target's committed end, inside its output)
+    moves the prompt-end checkpoint; a later request with those tokens resumes there."""
+    kv, mamba, cache = make(interval=8)
+    tokens = list(range(20, 36))
+    request = FakeRequest(prompt_token_ids=tokens[:6], output_token_ids=tokens[6:], blocks=kv.allocate(4),
+                          checkpoint_at=13)
+    request.state = mamba.allocate()
+    assert cache.start(request) == 4
+    assert cache.commit(request, 8, request.state.committed) == 12  # (interval 8 is inside [0, 13))
+    assert cache.commit(request, 12, request.state.committed) == 13
+    assert cache.commit(request, 13, request.state.committed) == 16
+    cache.finish(request, 13, None)
+    hit = cache.acquire(tokens[:13] + [99, 98])
+    assert hit is not None and hit.position == 13
+    cache.cancel(hit)
 
 
 def test_rejects_an_interval_that_is_not_a_multiple_of_the_block_size():

@@ -309,6 +309,7 @@ def test_default_checkpoints_never_make_a_fitting_configuration_fail(model_path,
                                      state_positions=engine.state_positions, _user_max_num_seqs=True,
                                      device=torch.device("cuda"))
         fake.kv_blocks_floor = lambda: LLMEngine.kv_blocks_floor(fake)
+        fake._pool_bytes = lambda *args: LLMEngine._pool_bytes(fake, *args)
         try:
             return LLMEngine._size_pools(fake)
         except ValueError:

@@ -4,7 +4,8 @@ injected rejections, serial, KV block sizes 4 and 16, batched and staggered arri
 NemotronH with MoE and GraniteMoeHybrid with RoPE and NoPE, every request's greedy tokens
 equal HF's exactly and its logprobs match HF's log_softmax within 1e-4. Speculative
 decoding runs the same paths with drafts from HF's own answer (accepted), corrupted
-(partly rejected: state rollback) and n-gram.
+(partly rejected: state rollback), n-gram, and a draft model: the checkpoint itself (every
+draft accepted) or another random one (drafts rejected).
 
 Public API only (`LLM`, `SamplingParams`, `engine.add_request/step/stats`), so the engine's
 internals can change under these tests. Each path asserts from `stats()` that it really
@@ -38,6 +39,7 @@ class Oracle:
     """One tiny checkpoint, the requests run on it, and transformers' answers for them."""
 
     checkpoint: str
+    draft_checkpoint: str  # another random checkpoint of the same architecture and vocabulary
     prompts: list[list[int]]
     tokens: list[list[int]]  # HF's greedy continuation per request
     logprobs: list[torch.Tensor]  # HF's log_softmax per request, [max_tokens, vocab]
@@ -48,6 +50,8 @@ def oracle(request, tmp_path_factory) -> Oracle:
     """Checkpoint and HF answers, computed once per model and shared by every path."""
     checkpoint = tmp_path_factory.mktemp(request.param)
     hf = make_hf_checkpoint(checkpoint, request.param)
+    draft_checkpoint = tmp_path_factory.mktemp(f"{request.param}_draft")
+    make_hf_checkpoint(draft_checkpoint, request.param, seed=1)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
     tokens, logprobs = [], []
@@ -57,7 +61,7 @@ def oracle(request, tmp_path_factory) -> Oracle:
         assert (top2[:, 0] - top2[:, 1]).min() > MIN_TOP1_MARGIN, "near-tie in HF's greedy choice: change the seed"
         tokens.append(toks)
         logprobs.append(lps)
-    return Oracle(str(checkpoint), prompts, tokens, logprobs)
+    return Oracle(str(checkpoint), str(draft_checkpoint), prompts, tokens, logprobs)
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,9 @@ class Path:
     engine: dict
     arrivals: tuple[int, ...]
     shows: tuple[Callable[[dict], bool], ...]
-    speculative: str | None = None  # drafts from "oracle" (HF's answer), "partial" (corrupted) or "ngram"
+    # Drafts from "oracle" (HF's answer), "partial" (corrupted), "ngram", or a draft model:
+    # "draft-self" (the checkpoint itself) or "draft-other" (another random checkpoint).
+    speculative: str | None = None
 
 
 def _launched_ahead(s: dict) -> bool:
@@ -98,6 +104,14 @@ def _drafts_rejected(s: dict) -> bool:
     return 0 < s["spec_accepted_tokens"] < s["spec_proposed_tokens"]
 
 
+def _drafts_all_accepted(s: dict) -> bool:
+    return s["spec_accepted_tokens"] == s["spec_proposed_tokens"] > 0
+
+
+def _drafts_mostly_rejected(s: dict) -> bool:
+    return s["spec_accepted_tokens"] < s["spec_proposed_tokens"] / 2
+
+
 # Each max_num_batched_tokens below is under the longest prompt (40), which is so prefilled in chunks.
 PATHS = {
     "batched-async-b16": Path(dict(kv_block_size=16), TOGETHER, (_launched_ahead,)),
@@ -125,6 +139,14 @@ PATHS = {
         dict(kv_block_size=4, inject_rejection_rate=0.3, max_num_batched_tokens=7, max_num_seqs=4, num_kv_blocks=13),
         STAGGERED, (_drafts_rejected, _rejected_and_restored, _paused), "partial"),
     "spec-ngram-async-b16": Path(dict(kv_block_size=16), TOGETHER, (_launched_ahead,), "ngram"),
+    "spec-draft-self-async-b4": Path(dict(kv_block_size=4), STAGGERED, (_drafts_all_accepted, _launched_ahead),
+                                     "draft-self"),
+    "spec-draft-self-budget7-kv-pressure-serial-b4": Path(
+        dict(kv_block_size=4, max_num_batched_tokens=7, max_num_seqs=4, num_kv_blocks=13, async_scheduling=False),
+        STAGGERED, (_drafts_all_accepted, _paused, _serial), "draft-self"),
+    "spec-draft-other-rejections-budget7-kv-pressure-b4": Path(
+        dict(kv_block_size=4, inject_rejection_rate=0.3, max_num_batched_tokens=7, max_num_seqs=4, num_kv_blocks=13),
+        STAGGERED, (_drafts_mostly_rejected, _rejected_and_restored, _paused), "draft-other"),
 }
 
 
@@ -133,6 +155,9 @@ def _speculative_config(oracle: Oracle, kind: str | None) -> dict | None:
         return None
     if kind == "ngram":
         return {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    if kind.startswith("draft-"):
+        model = oracle.checkpoint if kind == "draft-self" else oracle.draft_checkpoint
+        return {"method": "draft_model", "model": model, "num_speculative_tokens": 4}
     truth = {f"r{i}": p + t for i, (p, t) in enumerate(zip(oracle.prompts, oracle.tokens))}
     vocab_size = read_config(oracle.checkpoint)["vocab_size"]
     proposer = OracleProposer(truth) if kind == "oracle" else PartialProposer(truth, rate=0.3, vocab_size=vocab_size)

@@ -23,7 +23,9 @@ class _HasPropose:
     ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "typo"),
     ({"method": "proposer", "num_speculative_tokens": 2, "proposer": object()}, "proposer"),
     ({"method": "proposer", "num_speculative_tokens": 2}, "proposer"),
-    ({"method": "draft_model", "num_speculative_tokens": 2, "model": "x"}, "draft_model"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": ""}, "speculative_config.model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "speculative_config.model"),
     ("ngram", "speculative_config"),
 ])
 def test_bad_configs_name_the_field(config, field):
