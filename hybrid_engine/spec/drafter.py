@@ -1,6 +1,7 @@
-"""`Drafter`: asks the configured proposer for a verify row's drafts.
+"""`Drafter`: asks the configured proposer for the drafts of a step's verify rows.
 
-It builds the context the proposer sees (prompt, output, and under launch-ahead the drafts
+A draft model (spec/draft_model.py) gets all of a step's rows as one batch; any other
+proposer is called row by row. The drafter builds the context the proposer sees (prompt, output, and under launch-ahead the drafts
 still in flight), bounds and checks what comes back, isolates proposer failures to the
 request that hit them, and backs off a request whose drafts keep being rejected: a verify
 row whose drafts are all rejected costs a wider step for nothing, and under launch-ahead

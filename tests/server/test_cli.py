@@ -1,5 +1,6 @@
 """`scripts/serve_hybrid.py` start-up failures: the operator gets exit status 2 and one line
 "cannot start: <reason>" on stderr, not a traceback; flags out of range are usage errors."""
+import json
 import os
 import shutil
 import socket
@@ -98,7 +99,10 @@ def test_speculative_config_flag(capsys):
     args = parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
     assert engine_config(args).speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
     assert engine_config(parse_args([])).speculative_config is None
+    draft = {"method": "draft_model", "model": "preset:nemotron-h-8b", "num_speculative_tokens": 4}
+    assert engine_config(parse_args(["--speculative-config", json.dumps(draft)])).speculative_config == draft
     for value, message in [("{not json", "must be a JSON object"), ("[1]", "must be a JSON object"),
+                           ('{"method": "draft_model", "num_speculative_tokens": 2}', "speculative_config.model"),
                            ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
                            ('{"method": "proposer", "num_speculative_tokens": 2}', "use the library")]:
         with pytest.raises(SystemExit) as exit_info:
