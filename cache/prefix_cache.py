@@ -17,9 +17,12 @@ layers) and the Mamba conv + SSM state after token p-1. So the cache has two par
 Checkpoints are taken at the end of every prompt, every `checkpoint_interval` tokens of a
 prompt (the scheduler splits prefill chunks there, `chunk_limit`), and when a request
 finishes or is evicted (its committed state: the next chat turn resends prompt + answer
-and resumes there; a recomputed request resumes where it was evicted). All copies are
-device ops issued at once: stream order puts them after every launched step (whose
-writes they read) and before every later one.
+and resumes there; a recomputed request resumes where it was evicted). A request may place
+its prompt-end checkpoint later, inside its output (`Request.checkpoint_at`: a draft
+model's proposal, at the end of the target's committed tokens, where the next proposal
+resumes; chunks split there too, and it leaves no finish checkpoint: its end holds
+drafts). All copies are device ops issued at once: stream order puts them after every
+launched step (whose writes they read) and before every later one.
 
 A hit (`acquire`) is the deepest checkpoint whose prefix the request's tokens match, at
 most `len(tokens) - 1` (the last token is always computed: it yields the first logits).
@@ -83,6 +86,7 @@ class _Progress:
 
     node: CachedBlock
     saved: list[Checkpoint] = field(default_factory=list)
+    resumed: Checkpoint | None = None  # the checkpoint it resumed from
 
 
 class PrefixCache:
@@ -162,7 +166,7 @@ class PrefixCache:
             self.kv.release((checkpoint.tail_block,))
         checkpoint.used = True
         self._checkpoints.move_to_end(checkpoint)
-        progress = self._progress[request] = _Progress(checkpoint.node)
+        progress = self._progress[request] = _Progress(checkpoint.node, resumed=checkpoint)
         return self._next_commit(progress, hit.position, request.prompt_checkpoint)
 
     def start(self, request) -> int:
@@ -171,12 +175,12 @@ class PrefixCache:
         progress = self._progress[request] = _Progress(self.root)
         return self._next_commit(progress, 0, request.prompt_checkpoint)
 
-    def chunk_limit(self, start: int, num_tokens: int, prompt_len: int) -> int:
+    def chunk_limit(self, start: int, num_tokens: int, prompt_end: int) -> int:
         """`num_tokens`, shortened so a prefill chunk from `start` ends at the next
         checkpoint position: an interval position inside the prompt, or the prompt's end
-        (`prompt_len`: `Request.prompt_checkpoint`) when tokens follow it (a state exists
+        (`prompt_end`: `Request.prompt_checkpoint`) when tokens follow it (a state exists
         only at a chunk's end)."""
-        boundary = min((start // self.interval + 1) * self.interval, prompt_len)
+        boundary = min((start // self.interval + 1) * self.interval, prompt_end)
         if start < boundary < start + num_tokens:
             return boundary - start
         return num_tokens
@@ -189,19 +193,19 @@ class PrefixCache:
         length at which to call again."""
         progress = self._progress[request]
         self._register_blocks(request, progress, num_computed)
-        prompt_len = request.prompt_checkpoint
-        if num_computed == prompt_len or (num_computed < prompt_len and num_computed % self.interval == 0):
+        prompt_end = request.prompt_checkpoint
+        if num_computed == prompt_end or (num_computed < prompt_end and num_computed % self.interval == 0):
             self._save(request, progress, num_computed, state_slot)
-        return self._next_commit(progress, num_computed, prompt_len)
+        return self._next_commit(progress, num_computed, prompt_end)
 
-    def _next_commit(self, progress: _Progress, num_computed: int, prompt_len: int) -> int:
+    def _next_commit(self, progress: _Progress, num_computed: int, prompt_end: int) -> int:
         """The committed length at which the request next has a block to register or a
         state to checkpoint."""
         if not progress.node.alive:
             return NEVER  # its prefix was evicted: nothing more of it is cached
         next_block = (progress.node.depth + 1) * self.block_size
-        if num_computed < prompt_len:
-            return min(next_block, (num_computed // self.interval + 1) * self.interval, prompt_len)
+        if num_computed < prompt_end:
+            return min(next_block, (num_computed // self.interval + 1) * self.interval, prompt_end)
         return next_block
 
     def finish(self, request, num_computed: int, state_slot: int | None) -> None:
@@ -213,6 +217,15 @@ class PrefixCache:
         if progress is None or state_slot is None or num_computed == 0:
             return
         self._register_blocks(request, progress, num_computed)
+        if request.checkpoint_at is not None:
+            # A draft model's proposal: its end holds drafts. The next proposal resumes at
+            # the checkpoint it saved at `checkpoint_at`, so the one it resumed from
+            # (shallower on the same prefix) is the first to evict.
+            resumed = progress.resumed
+            if progress.saved and resumed is not None and resumed not in progress.saved and \
+                    resumed in self._checkpoints:
+                self._checkpoints.move_to_end(resumed, last=False)
+            return
         if num_computed > request.num_tokens:
             # A stop among accepted drafts: the state includes drafts after the stop token,
             # which are not the request's tokens.

@@ -107,7 +107,7 @@ class Request:
     cache_commit_at: int = NEVER
     # Where the cache keeps the request's prompt-end checkpoint when that is not the
     # prompt's end: a draft model's proposal sets the end of the target's committed tokens,
-    # where its next proposal resumes (spec/draft_model.py).
+    # where its next proposal resumes, and leaves no finish checkpoint (spec/draft_model.py).
     checkpoint_at: int | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None

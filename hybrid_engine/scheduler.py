@@ -246,19 +246,34 @@ class Scheduler:
         waits for a draft. A large batch whose drafts are too sparse to pay for widening
         every row (`Drafter.worth_widening`) runs without them."""
         rows: list[DraftRow] = []
+        proposals: list[list[int]] = []
+        batch: list[int] = []  # rows drafted in one batched call (a draft model), after this loop
         for chunk in decodes:
             request, n_tokens = chunk.request, chunk.start + 1
             n_out = len(request.output_token_ids) + request.pending_samples
             room = max(0, min(self.drafter.num_speculative_tokens, budget, request.params.max_tokens - n_out - 1,
                               self.max_model_len - n_tokens - 1,
                               (len(request.blocks) + self.kv.num_free) * self.kv.block_size - n_tokens))
-            if room:
-                self._reserve(request, n_tokens + room)  # (what is not drafted is given back below)
-                budget -= room
             # The input token is in flight when launch-ahead has not retired its sample yet.
             in_flight = chunk.start >= len(request.prompt_token_ids) + len(request.output_token_ids)
-            rows.append(DraftRow(request, room, in_flight))
-        proposals = self.drafter.propose(rows)
+            row = DraftRow(request, room, in_flight)
+            rows.append(row)
+            proposals.append([])
+            if not room or not self.drafter.selects(row):
+                continue
+            if self.drafter.batched:
+                # Drafted later: the row holds its whole room (what is not drafted is given back below).
+                batch.append(len(rows) - 1)
+                charge = room
+            else:
+                proposals[-1] = self.drafter.propose([row])[0]
+                charge = len(proposals[-1])
+            self._reserve(request, n_tokens + charge)
+            budget -= charge
+        # (A batch too sparse to widen the step even if every row drafted its room is not run.)
+        if batch and self.drafter.worth_widening(len(decodes), sum(rows[i].max_drafts for i in batch)):
+            for i, drafts in zip(batch, self.drafter.propose([rows[i] for i in batch])):
+                proposals[i] = drafts
         num_drafts = sum(map(len, proposals))
         if num_drafts and not self.drafter.worth_widening(len(decodes), num_drafts):
             proposals = [[] for _ in decodes]

@@ -34,18 +34,23 @@ from hybrid_engine.spec.config import SpeculativeConfig
 if TYPE_CHECKING:  # (the engine imports this module)
     from hybrid_engine.engine import LLMEngine
 
-# Prefix-cache checkpoints of the draft engine per request: a proposal adds one at the
-# target's committed end (the next one resumes there) and one when it finishes.
+# Prefix-cache checkpoints of the draft engine per request. A proposal leaves one (at the
+# target's committed end, where the next one resumes; no interval and no finish
+# checkpoints), so least-recently-used eviction keeps every request's last two.
 DRAFT_CHECKPOINTS_PER_SEQ = 2
+# The draft engine's checkpoint interval: past any context, so no prompt is split for one.
+NO_INTERVAL_BLOCKS = 1 << 40
 
 
 def draft_engine_config(target: EngineConfig, spec: SpeculativeConfig) -> EngineConfig:
     """The draft engine's settings: the target's device, dtype, scheduling, CUDA graphs,
     token budget, KV block size, context length and seed; the draft checkpoint's own
-    `mamba_ssm_cache_dtype`; prefix caching on (proposals resume from it); no speculation
-    and no injected rejections. The target engine sets its pool sizes."""
+    `mamba_ssm_cache_dtype`; prefix caching on (proposals resume from it) without interval
+    checkpoints; no speculation and no injected rejections. The target engine sets its
+    pool sizes."""
     return dataclasses.replace(target, model=spec.model, speculative_config=None, mamba_ssm_cache_dtype="auto",
                                enable_prefix_caching=True, prefix_cache_max_checkpoints=None,
+                               prefix_cache_checkpoint_interval=target.kv_block_size * NO_INTERVAL_BLOCKS,
                                inject_rejection_rate=0.0)
 
 
@@ -88,9 +93,15 @@ class DraftModel:
             engine.enqueue(proposal)
             proposals[proposal.request_id] = i
         drafts: list[list[int]] = [[] for _ in queries]
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                i = proposals.get(out.request_id)
-                if out.finished and i is not None and out.finish_reason != "error":
-                    drafts[i] = out.output_token_ids[prefix_lens[i]:]
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    i = proposals.get(out.request_id)
+                    if out.finished and i is not None and out.finish_reason != "error":
+                        drafts[i] = out.output_token_ids[prefix_lens[i]:]
+        finally:
+            # An error escaped a step (the caller logs it): end what is left, so nothing
+            # stays in the draft engine or holds its memory.
+            for request_id in list(engine.requests):
+                engine.abort_request(request_id)
         return drafts

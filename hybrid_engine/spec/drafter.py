@@ -1,14 +1,14 @@
 """`Drafter`: asks the configured proposer for the drafts of a step's verify rows.
 
 A draft model (spec/draft_model.py) gets all of a step's rows as one batch; any other
-proposer is called row by row. The drafter builds the context the proposer sees (prompt, output, and under launch-ahead the drafts
-still in flight), bounds and checks what comes back, isolates proposer failures to the
-request that hit them, and backs off a request whose drafts keep being rejected: a verify
-row whose drafts are all rejected costs a wider step for nothing, and under launch-ahead
-also the row launched on top of it. For the same reason, a row launched on top of an
-in-flight verify row gets drafts only when the request's drafts have been trusted lately
-(its last verify row accepted one): on an untrusted verify it stays a one-token row, cheap
-to reject. Drafts never change a request's tokens (verification is exact), only how many
+proposer is called row by row. The drafter builds the context the proposer sees (prompt,
+output, and under launch-ahead the drafts still in flight), bounds and checks what comes
+back, isolates proposer failures to the request that hit them, and backs off a request
+whose drafts keep being rejected: a verify row whose drafts are all rejected costs a wider
+step for nothing, and under launch-ahead also the row launched on top of it. For the same
+reason, a row launched on top of an in-flight verify row gets drafts only when the
+request's drafts have been trusted lately (its last verify row accepted one): on an
+untrusted verify it stays a one-token row, cheap to reject. Drafts never change a request's tokens (verification is exact), only how many
 steps it takes.
 """
 import logging
@@ -79,27 +79,14 @@ class Drafter:
             self.proposer = config.proposer
         self._history: dict[str, _DraftHistory] = {}  # by request id, dropped at `release`
 
-    def propose(self, rows: list[DraftRow]) -> list[list[int]]:
-        """The drafts of a step's decode rows, one list per row (at most `max_drafts`
-        each): one batched call to a draft model, else one proposer call per row."""
-        queries: list[DraftQuery] = []
-        asked: list[int] = []
-        for i, row in enumerate(rows):
-            if row.max_drafts > 0 and self._wants_drafts(row):
-                # An input token in flight is still being sampled on the device: the
-                # proposer is asked for one more token (its guess of it), dropped below.
-                extra = row.request.inflight_drafts if row.input_in_flight else []
-                queries.append(DraftQuery(row.request, extra, row.max_drafts + row.input_in_flight))
-                asked.append(i)
-        drafts: list[list[int]] = [[] for _ in rows]
-        proposals = self._draft_model_proposals(queries) if self.draft_model is not None else map(
-            self._proposal, queries)
-        for i, proposal in zip(asked, proposals):
-            drafts[i] = proposal[1:] if rows[i].input_in_flight else proposal
-        return drafts
+    @property
+    def batched(self) -> bool:
+        """Whether drafts come from one batched call per step (a draft model): the caller
+        then sets each row's room aside before knowing its drafts."""
+        return self.draft_model is not None
 
-    def _wants_drafts(self, row: DraftRow) -> bool:
-        """Whether the row's request drafts this step (backoff and trust rules above)."""
+    def selects(self, row: DraftRow) -> bool:
+        """Whether the row's request drafts this step (the back-off and trust rules above)."""
         history = self._history.get(row.request.request_id)
         if history is None:
             history = self._history[row.request.request_id] = _DraftHistory()
@@ -108,6 +95,19 @@ class Drafter:
             return False
         # Launched on an untrusted verify row, a row is likely rejected: kept narrow.
         return not (row.input_in_flight and row.request.inflight_drafts and not history.trusted)
+
+    def propose(self, rows: list[DraftRow]) -> list[list[int]]:
+        """The drafts of rows that `selects` chose, one list per row (at most `max_drafts`
+        each): one batched call to a draft model, else one proposer call per row."""
+        queries = []
+        for row in rows:
+            # An input token in flight is still being sampled on the device: the proposer
+            # is asked for one more token (its guess of it), dropped below.
+            extra = row.request.inflight_drafts if row.input_in_flight else []
+            queries.append(DraftQuery(row.request, extra, row.max_drafts + row.input_in_flight))
+        proposals = self._draft_model_proposals(queries) if self.draft_model is not None else map(
+            self._proposal, queries)
+        return [proposal[1:] if row.input_in_flight else proposal for row, proposal in zip(rows, proposals)]
 
     def _proposal(self, query: DraftQuery) -> list[int]:
         """One proposer call; a failure costs this request's drafts, nothing else."""

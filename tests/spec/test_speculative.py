@@ -293,3 +293,16 @@ def test_proposer_may_return_numpy_ids():
     finals, stats = _run(workload, speculative_config=spec)
     _assert_same(finals, expected)
     assert stats["spec_accepted_tokens"] > 0, stats
+
+
+def test_a_row_without_drafts_leaves_the_budget_to_the_next_rows():
+    """The token budget and KV blocks are charged for the drafts a row gets, not for the room
+    it had: with a budget of 6, r0 (no drafts) leaves r1 room for K drafts every step."""
+    workload = _workload(2, max_tokens=40)
+    engine_kw = dict(max_num_batched_tokens=6, async_scheduling=False)
+    expected, _ = _run(workload, **engine_kw)
+    spec = {"method": "proposer", "proposer": _OnlyFor(_truth(workload, expected), "r1"), "num_speculative_tokens": K}
+    finals, stats = _run(workload, speculative_config=spec, **engine_kw)
+    _assert_same(finals, expected)
+    # r1's 40 tokens in verify rows of up to K+1: about 40 / (K+1) rows of K drafts each.
+    assert stats["spec_proposed_tokens"] >= 0.7 * 40 * K / (K + 1), stats
