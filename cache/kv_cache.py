@@ -40,6 +40,9 @@ class KVBlockAllocator:
         # reference: the cache holds this pool, and a cycle would keep the pool's memory
         # alive after the engine is dropped, until a garbage collection.
         self._on_evict: weakref.WeakMethod | None = None
+        # Tensor parallelism: the driver's log of device copies for the workers to replay
+        # (`hybrid_engine.parallel.channel.DeviceOpLog`, set by the runner); None otherwise.
+        self.device_ops = None
 
     @property
     def num_free(self) -> int:
@@ -112,6 +115,8 @@ class KVBlockAllocator:
         for k, v in self.kv_caches:
             k[dst].copy_(k[src])
             v[dst].copy_(v[src])
+        if self.device_ops is not None:
+            self.device_ops.record("kv", "copy_block", src, dst)
 
     @staticmethod
     def bytes_per_block(block_size: int, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

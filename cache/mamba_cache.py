@@ -72,6 +72,9 @@ class MambaStateAllocator:
         self.conv_states = torch.zeros(num_layers, num_slots, conv_dim, conv_width, dtype=conv_dtype, device=device)
         self.ssm_states = torch.zeros(num_layers, num_slots, heads, head_dim, state_size, dtype=ssm_dtype,
                                       device=device)
+        # Tensor parallelism: the driver's log of device copies for the workers to replay
+        # (`hybrid_engine.parallel.channel.DeviceOpLog`, set by the runner); None otherwise.
+        self.device_ops = None
         # Stacks: the lowest index is handed out first (and a freed one reused first).
         self._free_rows: list[int] = list(range(max_num_seqs - 1, -1, -1))
         self._free_slots: list[int] = list(range(request_slots - 1, -1, -1))
@@ -141,6 +144,8 @@ class MambaStateAllocator:
         every later one (which may overwrite `src`). Views, so no host-to-device copy."""
         self.conv_states[:, dst].copy_(self.conv_states[:, src])
         self.ssm_states[:, dst].copy_(self.ssm_states[:, src])
+        if self.device_ops is not None:
+            self.device_ops.record("mamba", "copy_state", src, dst)
 
     # ---- which slots a launched row reads and writes ---------------------------------
     def launch(self, state: RequestState, num_positions: int = 1) -> tuple[int, tuple[int, ...]]:

@@ -225,6 +225,11 @@ class StepBuffer:
         """A copy of what `copy_rows_from` covers, in the current host buffer (for checks)."""
         return [v.copy() for v in self._decode_rows(self._current, rows)]
 
+    def host_bytes(self) -> torch.Tensor:
+        """The current host buffer's bytes (what `sync` copies; tensor parallelism sends
+        them to the other ranks)."""
+        return self._host_bytes[self._current]
+
     @property
     def nbytes(self) -> int:
         return self._device_bytes.numel()

@@ -43,6 +43,11 @@ class EngineConfig:
     # Tokens between checkpoints of a long prompt: a multiple of kv_block_size (default:
     # the smallest one >= 512).
     prefix_cache_checkpoint_interval: int | None = None
+    # Tensor parallelism (docs/parallel.md): the model sharded over this many processes,
+    # one per GPU (gloo processes on CPU); the engine starts and stops the workers itself.
+    tensor_parallel_size: int = 1
+    # MoE layers hold whole experts per rank instead of a slice of every expert.
+    enable_expert_parallel: bool = False
 
     def resolve(self) -> "EngineConfig":
         """Validate and fill device-dependent defaults (raises ValueError naming the field)."""
@@ -95,6 +100,11 @@ class EngineConfig:
         if not isinstance(interval, int) or interval <= 0 or interval % resolved.kv_block_size:
             raise ValueError(f"prefix_cache_checkpoint_interval must be a positive multiple of kv_block_size "
                              f"({resolved.kv_block_size}), got {interval!r}")
+        size = resolved.tensor_parallel_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+        if not isinstance(resolved.enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel must be a bool, got {resolved.enable_expert_parallel!r}")
         if not 0.0 <= resolved.inject_rejection_rate <= 1.0:
             raise ValueError(f"inject_rejection_rate must be in [0, 1], got {resolved.inject_rejection_rate}")
         return resolved

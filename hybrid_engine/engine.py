@@ -21,6 +21,7 @@ import gc
 import logging
 import os
 import random
+import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -34,8 +35,13 @@ from hybrid_engine.cuda_graphs import DECODE_OPS, DecodeGraphs
 from hybrid_engine.detokenizer import IncrementalDetokenizer
 from hybrid_engine.gc_control import StepGarbageCollector
 from hybrid_engine.models.embedded import EMBEDDED_CONFIG, EMBEDDED_MODEL_NAME, EMBEDDED_WEIGHT_SEED
+from hybrid_engine.models.base import PoolShape
+from hybrid_engine.models.config import parse_hf_config
 from hybrid_engine.models.loader import load_model, read_config
+from hybrid_engine.models.tensor_parallel import validate_tensor_parallel
 from hybrid_engine.models.presets import get_preset
+from hybrid_engine.parallel.channel import StepSender
+from hybrid_engine.parallel.group import ParallelGroupError, TensorParallelGroup
 from hybrid_engine.prompts import RequestLimits, validate_request
 from hybrid_engine.request import Request, RequestOutput, RequestStatus
 from hybrid_engine.runner import ModelRunner
@@ -47,6 +53,7 @@ from hybrid_engine.spec.drafter import Drafter
 from hybrid_engine.step import StepHandle, StepSamples
 from hybrid_engine.tokenizer import build_byte_tokenizer, load_tokenizer
 from layers.kernels import select_ops
+from layers.parallel import SINGLE, ParallelContext
 
 logger = logging.getLogger(__name__)
 
@@ -73,13 +80,30 @@ class LoadedModel:
     name: str
 
 
-def load_engine_model(cfg: EngineConfig, kernels: Any) -> LoadedModel:
+def load_engine_model(cfg: EngineConfig, kernels: Any, tp: ParallelContext = SINGLE) -> LoadedModel:
     """Load the model `cfg.model` names (None: the embedded one; "preset:NAME"; a checkpoint
-    directory) with the kernels `kernels` (`layers.kernels.select_ops`)."""
+    directory) with the kernels `kernels` (`layers.kernels.select_ops`); under tensor
+    parallelism, this rank's shard of it (`tp`)."""
     hf_config, path, tokenizer, name, weight_seed = _resolve_model(cfg)
     model = load_model(hf_config, path, torch.device(cfg.device), cfg.torch_dtype, cfg.load_format, weight_seed,
-                       ops=kernels)
+                       ops=kernels, tp=tp)
     return LoadedModel(model, hf_config, tokenizer, name)
+
+
+def check_tensor_parallel(cfg: EngineConfig) -> None:
+    """Raise ValueError (naming the config field and the sizes that work) if the model --
+    or the draft model -- cannot be split `cfg.tensor_parallel_size` ways. Reads only
+    config files: run before any worker process starts."""
+    spec = cfg.speculative_config
+    checks = [("", cfg)]
+    if spec is not None and spec.method == "draft_model":
+        checks.append(("speculative_config.model: ", draft_engine_config(cfg, spec)))
+    for prefix, model_cfg in checks:
+        try:
+            validate_tensor_parallel(parse_hf_config(_resolve_model(model_cfg)[0]), cfg.tensor_parallel_size,
+                                     cfg.enable_expert_parallel)
+        except ValueError as error:
+            raise ValueError(f"{prefix}{error}") from None
 
 
 def _resolve_model(cfg: EngineConfig) -> tuple[dict, str | None, Any, str, int]:
@@ -100,14 +124,49 @@ def _resolve_model(cfg: EngineConfig) -> tuple[dict, str | None, Any, str, int]:
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache and a Mamba state slot pool."""
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
-        """`loaded`: the model, already on the device (a draft engine's); else loaded here."""
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 group: TensorParallelGroup | None = None, engine_id: int = 0):
+        """`loaded`: the model, already on the device (a draft engine's); else loaded here.
+
+        Tensor parallelism: with `tensor_parallel_size` > 1 and no `group`, this engine is
+        the driver: it starts the worker processes (`TensorParallelGroup.start`) and stops
+        them at `shutdown()` or when it is garbage-collected. A worker builds its engine with
+        the group it joined; a draft engine gets its target's group and `engine_id` 1.
+        """
         self._user_max_num_seqs = config.max_num_seqs is not None
-        self.config = cfg = config.resolve()
+        cfg = config.resolve()
+        self.group, self._finalizer, self.dead = group, None, None
+        if group is None and cfg.tensor_parallel_size > 1:
+            check_tensor_parallel(cfg)
+            group = self.group = TensorParallelGroup.start(cfg.tensor_parallel_size, cfg.enable_expert_parallel,
+                                                           cfg.device)
+            sender = StepSender(group, engine_id)
+            self._finalizer = weakref.finalize(self, group.shutdown, sender.send_stop)
+            try:
+                # The config as given (each rank resolves its defaults the same way), with
+                # the speculative config resolved: a caller's proposer object stays here,
+                # workers never draft.
+                spec = cfg.speculative_config
+                group.send_object(dataclasses.replace(
+                    config, speculative_config=None if spec is None else dataclasses.replace(spec, proposer=None)))
+                self._build(cfg, loaded, sender, engine_id)
+            except BaseException:
+                self._finalizer()
+                raise
+        else:
+            sender = StepSender(group, engine_id) if group is not None and group.is_driver else None
+            self._build(cfg, loaded, sender, engine_id)
+
+    def _build(self, cfg: EngineConfig, loaded: LoadedModel | None, sender: StepSender | None,
+               engine_id: int) -> None:
+        """Model, pools, scheduler, runner and graphs (`__init__`'s body)."""
+        group = self.group
+        tp = SINGLE if group is None else group.context
+        self.config = cfg
         self.device = torch.device(cfg.device)
         self.kernels = select_ops(self.device)
         if loaded is None:
-            loaded = load_engine_model(cfg, self.kernels)
+            loaded = load_engine_model(cfg, self.kernels, tp)
         self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
         self.config = cfg = dataclasses.replace(
             cfg, mamba_ssm_cache_dtype=resolve_mamba_ssm_cache_dtype(cfg.mamba_ssm_cache_dtype, loaded.hf_config))
@@ -127,7 +186,7 @@ class LLMEngine:
             # Its weights are loaded first: the pools below are sized in what is left.
             draft_config = draft_engine_config(cfg, spec)
             try:
-                draft = load_engine_model(draft_config, self.kernels)
+                draft = load_engine_model(draft_config, self.kernels, tp)
             except ValueError as error:
                 raise ValueError(f"speculative_config.model: {error}") from error
             if draft.model.config.vocab_size != mc.vocab_size:
@@ -135,15 +194,17 @@ class LLMEngine:
                                  f"{draft.model.config.vocab_size} tokens; the target's has {mc.vocab_size}")
         max_num_seqs, num_blocks, checkpoint_slots = self._size_pools(
             None if draft is None else self._pool_bytes(
-                draft.model.config, resolve_mamba_ssm_cache_dtype(draft_config.mamba_ssm_cache_dtype, draft.hf_config),
-                self.state_banks))
-        self.kv = KVBlockAllocator(num_blocks, cfg.kv_block_size, len(mc.attention_layers), mc.num_kv_heads,
-                                   mc.head_dim, cfg.torch_dtype, self.device)
+                draft.model.pool_shape(), draft.model.config.conv_kernel - 1,
+                resolve_mamba_ssm_cache_dtype(draft_config.mamba_ssm_cache_dtype, draft.hf_config), self.state_banks))
+        shape = self.model.pool_shape()  # this rank's share under tensor parallelism
+        self.kv = KVBlockAllocator(num_blocks, cfg.kv_block_size, shape.num_attention_layers, shape.num_kv_heads,
+                                   shape.head_dim, cfg.torch_dtype, self.device)
         self.limits = RequestLimits(vocab_size=mc.vocab_size, max_model_len=self.max_model_len,
                                     kv_tokens=self.kv.num_blocks * cfg.kv_block_size)
-        self.mamba = MambaStateAllocator(max_num_seqs, len(mc.mamba_layers), mc.mamba_conv_dim, mc.conv_kernel - 1,
-                                         mc.mamba_num_heads, mc.mamba_head_dim, mc.ssm_state_size, cfg.torch_dtype,
-                                         self.device, banks=self.state_banks, row_positions=self.state_positions,
+        self.mamba = MambaStateAllocator(max_num_seqs, shape.num_mamba_layers, shape.mamba_conv_dim,
+                                         mc.conv_kernel - 1, shape.mamba_num_heads, shape.mamba_head_dim,
+                                         shape.ssm_state_size, cfg.torch_dtype, self.device, banks=self.state_banks,
+                                         row_positions=self.state_positions,
                                          ssm_dtype=DTYPES[cfg.mamba_ssm_cache_dtype], checkpoint_slots=checkpoint_slots)
         self.draft_engine = None
         if draft is not None:
@@ -151,7 +212,8 @@ class LLMEngine:
             # counted in each), and the checkpoints its proposals resume from.
             self.draft_engine = LLMEngine(dataclasses.replace(
                 draft_config, max_num_seqs=max_num_seqs, num_kv_blocks=num_blocks,
-                prefix_cache_max_checkpoints=DRAFT_CHECKPOINTS_PER_SEQ * max_num_seqs), loaded=draft)
+                prefix_cache_max_checkpoints=DRAFT_CHECKPOINTS_PER_SEQ * max_num_seqs), loaded=draft,
+                group=group, engine_id=1)
         self.drafter = None if spec is None else Drafter(
             spec, mc.vocab_size, None if draft is None else DraftModel(self.draft_engine))
         self.prefix_cache = None
@@ -160,7 +222,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, self.mamba, cfg.max_num_batched_tokens, self.max_model_len, self.drafter,
                                    self.prefix_cache)
         self.runner = ModelRunner(self.model, self.kv, self.mamba, cfg.max_num_batched_tokens, self.max_model_len,
-                                  self.device, max_drafts)
+                                  self.device, max_drafts, sender=sender,
+                                  follower=group is not None and not group.is_driver)
         if cfg.cuda_graphs:
             self._capture_graphs(max_num_seqs)
         self.requests: dict[str, Request] = {}  # accepted requests whose final output is not out yet
@@ -180,6 +243,9 @@ class LLMEngine:
             num_blocks * cfg.kv_block_size, num_blocks, cfg.kv_block_size,
             "on" if cfg.enable_prefix_caching else "off", checkpoint_slots,
         )
+        if group is not None and group.is_driver and engine_id == 0:
+            logger.info("tensor parallel: %d ranks%s, this process is rank 0 (the driver)", group.world_size,
+                        ", experts split whole (expert parallel)" if cfg.enable_expert_parallel else "")
 
     def _capture_graphs(self, max_num_seqs: int) -> None:
         """Capture decode CUDA graphs when every decode op is a sync-free fast kernel."""
@@ -193,16 +259,17 @@ class LLMEngine:
         self.runner.buffer.num_syncs = 0  # capture's own copies are not steps
 
     # ---- sizing ----------------------------------------------------------------------
-    def _pool_bytes(self, mc: Any, ssm_cache_dtype: str, banks: int, positions: int = 1) -> PoolBytes:
-        """What a model's pools cost, with this engine's dtype and KV block size
-        (`ssm_cache_dtype`: a resolved `mamba_ssm_cache_dtype`)."""
+    def _pool_bytes(self, shape: PoolShape, conv_width: int, ssm_cache_dtype: str, banks: int,
+                    positions: int = 1) -> PoolBytes:
+        """What a model's pools cost on this rank (`shape`: `model.pool_shape()`), with this
+        engine's dtype and KV block size (`ssm_cache_dtype`: a resolved `mamba_ssm_cache_dtype`)."""
         cfg = self.config
-        slot = MambaStateAllocator.bytes_per_seq(len(mc.mamba_layers), mc.mamba_conv_dim, mc.conv_kernel - 1,
-                                                 mc.mamba_num_heads, mc.mamba_head_dim, mc.ssm_state_size,
+        slot = MambaStateAllocator.bytes_per_seq(shape.num_mamba_layers, shape.mamba_conv_dim, conv_width,
+                                                 shape.mamba_num_heads, shape.mamba_head_dim, shape.ssm_state_size,
                                                  cfg.torch_dtype, copies_per_request=1,
                                                  ssm_dtype=DTYPES[ssm_cache_dtype])
-        block = KVBlockAllocator.bytes_per_block(cfg.kv_block_size, max(len(mc.attention_layers), 1),
-                                                 mc.num_kv_heads, mc.head_dim, cfg.torch_dtype)
+        block = KVBlockAllocator.bytes_per_block(cfg.kv_block_size, max(shape.num_attention_layers, 1),
+                                                 shape.num_kv_heads, shape.head_dim, cfg.torch_dtype)
         return PoolBytes(per_seq=slot * banks * positions, per_slot=slot, per_block=block)
 
     def _size_pools(self, draft: PoolBytes | None = None) -> tuple[int, int, int]:
@@ -231,8 +298,11 @@ class LLMEngine:
         gc.collect()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
+        if self.group is not None:  # pools of the same size on every rank: the tightest one decides
+            free = self.group.min_over_ranks(free)
         budget = free - (1.0 - cfg.gpu_memory_utilization) * total
-        own = self._pool_bytes(mc, cfg.mamba_ssm_cache_dtype, self.state_banks, self.state_positions)
+        own = self._pool_bytes(self.model.pool_shape(), mc.conv_kernel - 1, cfg.mamba_ssm_cache_dtype,
+                               self.state_banks, self.state_positions)
         seq_bytes, slot_bytes, block_bytes = own.per_seq, own.per_slot, own.per_block
         if draft is not None:
             seq_bytes += draft.per_seq + DRAFT_CHECKPOINTS_PER_SEQ * draft.per_slot
@@ -277,6 +347,7 @@ class LLMEngine:
     def add_requests(self, requests: Sequence[tuple[str, str | list[int], SamplingParams | dict | None]]) -> None:
         """Queue several (request_id, prompt, params) requests all or nothing: every one is
         validated first, and if any is invalid a ValueError names it and none is queued."""
+        self._check_alive()
         new: dict[str, Request] = {}
         seed_counter = self._seed_counter
         for request_id, prompt, params in requests:
@@ -317,6 +388,7 @@ class LLMEngine:
         """Queue a request built by the caller, as it is: no validation, no detokenizer
         (a draft model's proposal, spec/draft_model.py: its tokens come from a validated
         request, and it may arrive with output already generated). Its id must be unused."""
+        self._check_alive()
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
@@ -347,7 +419,8 @@ class LLMEngine:
             try:
                 stepped = self._step()
             except Exception as error:
-                stepped = self._fail_step(error)
+                broken = self.group is not None and self.group.broken is not None
+                stepped = self._fail_all(self.group.broken) if broken else self._fail_step(error)
         except BaseException:
             self._gc.idle()
             raise
@@ -379,7 +452,12 @@ class LLMEngine:
         prefill_tokens = sum(c.num_tokens for c in sched.prefills)
         self._counters["decode_tokens"] += sched.num_tokens - prefill_tokens  # verify rows' drafts included
         self._counters["prefill_tokens"] += prefill_tokens
-        return self.runner.launch(plan)
+        try:
+            return self.runner.launch(plan)
+        except Exception as error:
+            if self.group is not None:  # the other ranks launched it: they are out of step now
+                self.group.mark_broken(error)
+            raise
 
     def _launch_ahead(self, current: StepHandle) -> StepHandle | None:
         """Schedule and launch step N+1 while step N (`current`) is in flight, as if every
@@ -465,6 +543,37 @@ class LLMEngine:
         aborted = set(map(id, self._aborted))
         done = [r for r in self.requests.values() if r.finished and id(r) not in aborted and r not in failed]
         return [self._emit(r) for r in failed + done]
+
+    def _fail_all(self, reason: str) -> list[RequestOutput]:
+        """The tensor-parallel group broke (a worker died, a collective failed): every
+        request ends with reason "error", the workers are stopped, and the engine takes no
+        more requests (`dead`)."""
+        logger.error("tensor-parallel group broke: %s; ending every request", reason)
+        self.dead = reason
+        pending = [r for r in self.requests.values() if not r.finished]
+        failed = self.scheduler.fail(pending, f"engine failed: {reason}")
+        self._unretired.clear()
+        self._inflight = None
+        if self._finalizer is not None:
+            self._finalizer()
+        done = [r for r in self.requests.values() if r.finished and r not in failed]
+        return [self._emit(r) for r in failed + done]
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise RuntimeError(f"the engine is dead and takes no requests: {self.dead}")
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers and free the process group (idempotent; also
+        done when the engine is garbage-collected). A single-process engine has nothing
+        to stop."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def device_op_targets(self) -> dict[str, Any]:
+        """The objects a tensor-parallel worker replays the driver's device operations on
+        (`parallel.channel.DeviceOpLog`), by the names the driver records them under."""
+        return {"mamba": self.mamba, "kv": self.kv, "runner": self.runner}
 
     def _emit(self, request: Request) -> RequestOutput:
         """The request's output for the caller; a finished request leaves the engine."""

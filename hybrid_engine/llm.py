@@ -17,12 +17,20 @@ class LLM:
 
     `model=None` is the embedded tiny model, `"preset:NAME"` a published config with
     random weights, anything else a HF checkpoint directory. The keyword arguments are
-    `EngineConfig`'s; `llm.engine` is the underlying `LLMEngine`.
+    `EngineConfig`'s; `llm.engine` is the underlying `LLMEngine`. With
+    `tensor_parallel_size=N` the model is sharded over N processes that the `LLM` starts
+    itself (docs/parallel.md); `shutdown()` stops them.
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs):
         self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
         self._next_id = 0
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (`tensor_parallel_size` > 1) and free
+        the process group, so another tensor-parallel `LLM` can be built in this process.
+        Idempotent; also done when the `LLM` is garbage-collected."""
+        self.engine.shutdown()
 
     def get_tokenizer(self):
         """The model's tokenizer, or None for checkpoints without tokenizer files."""

@@ -9,6 +9,7 @@ The runner reads requests and never writes them: the scheduler has already launc
 rows it is handed (cursors advanced), and retiring them is the scheduler's too.
 """
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,6 +25,9 @@ from hybrid_engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from hybrid_engine.scheduler import ScheduledChunk, SchedulerOutput
 from hybrid_engine.step import StepHandle, StepPlan
 from layers.forward_meta import ForwardMeta
+
+if TYPE_CHECKING:  # (the parallel package imports the step types this module uses)
+    from hybrid_engine.parallel.channel import StepSender
 
 
 # Debugging knob: check every fast-path step against the general path (slow; tests set it).
@@ -44,8 +48,16 @@ class ModelRunner:
     """Owns the model, the cache pools' bindings and the step buffer."""
 
     def __init__(self, model: HybridForCausalLM, kv: KVBlockAllocator, mamba: MambaStateAllocator,
-                 max_num_batched_tokens: int, max_model_len: int, device: torch.device, max_drafts: int = 0):
+                 max_num_batched_tokens: int, max_model_len: int, device: torch.device, max_drafts: int = 0,
+                 sender: "StepSender | None" = None, follower: bool = False):
+        """Tensor parallelism (hybrid_engine/parallel/): the driver's runner has a `sender`
+        that mirrors each prepared step, and the device operations of its pools, to the
+        workers; a worker's runner is a `follower`: it runs the driver's steps and keeps
+        their samples on the device (they come back from the driver only)."""
         self.model, self.kv, self.mamba, self.device = model, kv, mamba, device
+        self.sender, self.follower = sender, follower
+        self._device_ops = None if sender is None else sender.device_ops
+        kv.device_ops = mamba.device_ops = self._device_ops
         self.max_seqs = mamba.max_num_seqs
         self.max_width = 1 + max_drafts  # tokens of the widest decode (verify) row
         # A verify row's padding positions lie up to `max_drafts` past the context, so block
@@ -107,8 +119,13 @@ class ModelRunner:
         if (sampling[SAMPLING.repetition_penalty] == 1.0 and sampling[SAMPLING.presence_penalty] == 0.0
                 and sampling[SAMPLING.frequency_penalty] == 0.0):
             return
-        prefix = (request.prompt_token_ids + request.output_token_ids)[:num_tokens]
-        self._history[request.state.row, :num_tokens] = torch.tensor(prefix, dtype=torch.int64)
+        self.write_history(request.state.row, (request.prompt_token_ids + request.output_token_ids)[:num_tokens])
+
+    def write_history(self, row: int, tokens: list[int]) -> None:
+        """Write `tokens` at the start of row `row` of the token history, on the device, now."""
+        self._history[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+        if self._device_ops is not None:
+            self._device_ops.record("runner", "write_history", row, tokens)
 
     def _sync_block_table(self, request: Request) -> None:
         """Copy the request's newly allocated block ids into its host table row.
@@ -142,6 +159,8 @@ class ModelRunner:
         else:
             self.num_steady_steps += 1
         plan.host_index = self.buffer.current_index
+        if self.sender is not None:
+            self.sender.send(plan, self.buffer.host_bytes())
         self.buffer.sync()
         return plan
 
@@ -514,6 +533,8 @@ class ModelRunner:
         packed = self.graphs.replay(plan) if self.graphs is not None else None
         if packed is None:
             packed = self.forward_sample(plan)
+        if self.follower:
+            return StepHandle(plan, packed, None)
         host_out = self._host_out[self._launches % 2][: packed.numel()].view(packed.shape)
         self._launches += 1
         host_out.copy_(packed, non_blocking=True)

@@ -4,6 +4,7 @@ from torch import nn
 
 from layers.forward_meta import ForwardMeta
 from layers.kernels.ops import KernelOps
+from layers.parallel import SINGLE, ColumnParallelLinear, ParallelContext, RowParallelLinear, block_shard
 from layers.rotary import RotaryEmbedding
 
 
@@ -12,6 +13,12 @@ class PagedAttention(nn.Module):
 
     The runner binds `kv_cache = (k_cache, v_cache)` once; the tensors keep their address
     for the engine's lifetime (CUDA graphs replay against them).
+
+    Tensor parallel (`tp`): each rank holds an even share of the query heads and the KV
+    heads they read: a share of the KV heads when the world size divides their number,
+    else the one KV head its query heads share (replicated over the ranks that use it).
+    `num_heads` / `num_kv_heads` (and the KV cache) are this rank's; o_proj sums the ranks'
+    outputs.
     """
 
     def __init__(
@@ -25,17 +32,20 @@ class PagedAttention(nn.Module):
         rotary: RotaryEmbedding | None = None,
         *,
         ops: KernelOps,
+        tp: ParallelContext = SINGLE,
     ):
         super().__init__()
         self.ops = ops
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})")
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        kv_start, kv_stop = tp.split_or_replicate(num_kv_heads)
+        kv_shard = block_shard(0, num_kv_heads * head_dim, [(0, head_dim, kv_start, kv_stop)])
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads // tp.world_size, kv_stop - kv_start, head_dim
         self.scale = scale
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.q_proj = ColumnParallelLinear(hidden_size, tp.shard(0, num_heads, unit=head_dim), bias=bias)
+        self.k_proj = ColumnParallelLinear(hidden_size, kv_shard, bias=bias)
+        self.v_proj = ColumnParallelLinear(hidden_size, kv_shard, bias=bias)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=bias, tp=tp)
         self.rotary = rotary
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 

@@ -5,6 +5,14 @@ conv + SiLU over xBC; dt = softplus(dt + dt_bias); A = -exp(A_log); SSD scan wit
 and D skip; gated group RMSNorm (norm after gating); out_proj. Decode rows (one token,
 state carried) take the recurrent update, prefill chunks the chunked scan; both read the
 state at `mamba_src` and write it at `mamba_dst`.
+
+Tensor parallel (`tp`, world size N): each rank holds an even share of the heads and the
+groups of B/C they read: a share of the groups when N divides their number, else the one
+group its heads belong to. in_proj's z | x | B | C | dt rows, the conv channels x | B | C,
+A_log / D / dt_bias and the norm scale are cut alike; out_proj sums the ranks' outputs.
+When a group spans several ranks (N > n_groups) the gated norm's statistic is summed over
+them (`gated_rms_norm_across_ranks`). `num_heads`, `n_groups`, `d_ssm`, `conv_dim` (and the
+state slots) are this rank's.
 """
 import torch
 import torch.nn.functional as F
@@ -12,6 +20,20 @@ from torch import nn
 
 from layers.forward_meta import ForwardMeta
 from layers.kernels.ops import KernelOps
+from layers.norms import gated_rms_norm_across_ranks
+from layers.parallel import (SINGLE, ColumnParallelLinear, ParallelContext, RowParallelLinear, Shard, block_shard,
+                             set_shard)
+
+
+def _fused_shards(heads: tuple[int, int], groups: tuple[int, int], num_heads: int, head_dim: int, n_groups: int,
+                  state_size: int) -> tuple[Shard, Shard]:
+    """The cuts of in_proj's rows (z | x | B | C | dt) and of the conv channels (x | B | C)
+    that keep the heads [heads) and the groups [groups) of the full layer."""
+    d_ssm, gs = num_heads * head_dim, n_groups * state_size
+    xbc = [(0, head_dim, *heads), (d_ssm, state_size, *groups), (d_ssm + gs, state_size, *groups)]
+    zxbcdt = [(0, head_dim, *heads), *((d_ssm + offset, unit, a, b) for offset, unit, a, b in xbc),
+              (2 * d_ssm + 2 * gs, 1, *heads)]
+    return block_shard(0, 2 * d_ssm + 2 * gs + num_heads, zxbcdt), block_shard(0, d_ssm + 2 * gs, xbc)
 
 
 class Mamba2Mixer(nn.Module):
@@ -32,28 +54,43 @@ class Mamba2Mixer(nn.Module):
         proj_bias: bool = False,
         *,
         ops: KernelOps,
+        tp: ParallelContext = SINGLE,
     ):
         super().__init__()
-        self.ops = ops
+        self.ops, self.tp = ops, tp
         if num_heads % n_groups:
             raise ValueError(f"mamba heads ({num_heads}) must be a multiple of n_groups ({n_groups})")
-        self.num_heads, self.head_dim, self.n_groups, self.state_size = num_heads, head_dim, n_groups, state_size
-        self.d_ssm = num_heads * head_dim
-        self.conv_dim = self.d_ssm + 2 * n_groups * state_size
+        h0, h1 = tp.split(num_heads)
+        g0, g1 = tp.split_or_replicate(n_groups)
+        self.num_heads, self.head_dim, self.n_groups, self.state_size = h1 - h0, head_dim, g1 - g0, state_size
+        self.d_ssm = self.num_heads * head_dim
+        self.conv_dim = self.d_ssm + 2 * self.n_groups * state_size
+        # The gated norm's statistic is taken per group of the full model's channels; a
+        # group split over ranks (more ranks than groups) sums it over them.
+        self.norm_group_size = num_heads * head_dim // n_groups
+        self.norm_group, self.norm_groups_full = g0, n_groups
+        self.norm_spans_ranks = tp.world_size > n_groups
+        in_shard, conv_shard = _fused_shards((h0, h1), (g0, g1), num_heads, head_dim, n_groups, state_size)
+        head_shard = tp.shard(0, num_heads)
         # Applied to prompt tokens only: transformers clamps dt in its chunked (prefill)
         # scan and not in its recurrent (decode) update; mamba-ssm does the same.
         self.dt_limit = dt_limit
         self.norm_eps = norm_eps
-        self.in_proj = nn.Linear(hidden_size, self.d_ssm + self.conv_dim + num_heads, bias=proj_bias)
+        self.in_proj = ColumnParallelLinear(hidden_size, in_shard, bias=proj_bias)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=use_conv_bias)
-        self.dt_bias = nn.Parameter(torch.ones(num_heads))
-        self.A_log = nn.Parameter(torch.zeros(num_heads))
-        self.D = nn.Parameter(torch.ones(num_heads))
+        for param in self.conv1d.parameters():
+            set_shard(param, conv_shard)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_heads))
+        self.D = nn.Parameter(torch.ones(self.num_heads))
+        for param in (self.dt_bias, self.A_log, self.D):
+            set_shard(param, head_shard)
         self._a_cache: torch.Tensor | None = None
         self._a_key: tuple[int, int] | None = None
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(self.d_ssm))
-        self.out_proj = nn.Linear(self.d_ssm, hidden_size, bias=proj_bias)
+        set_shard(self.norm.weight, tp.shard(0, num_heads, unit=head_dim))
+        self.out_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=proj_bias, tp=tp)
         self.conv_state: torch.Tensor | None = None  # [slots, conv_dim, K-1]
         self.ssm_state: torch.Tensor | None = None  # [slots, heads, head_dim, state] (mamba_ssm_cache_dtype)
 
@@ -92,8 +129,12 @@ class Mamba2Mixer(nn.Module):
             dt_p = self._process_dt(dt[nd:], meta.prompt_token_mask[nd:])
             ys.append(kernels.ssd_chunk_scan_varlen(xs, dt_p, a, b, c, self.D, cu, self.ssm_state, src, dst))
         y = torch.cat(ys) if len(ys) > 1 else ys[0]
-        y = kernels.gated_rms_norm(y.reshape(x.shape[0], self.d_ssm), z, self.norm.weight, self.norm_eps,
-                                   self.d_ssm // self.n_groups)
+        y = y.reshape(x.shape[0], self.d_ssm)
+        if self.norm_spans_ranks:
+            y = gated_rms_norm_across_ranks(y, z, self.norm.weight, self.norm_eps, self.norm_group_size,
+                                            self.norm_group, self.norm_groups_full, self.tp)
+        else:
+            y = kernels.gated_rms_norm(y, z, self.norm.weight, self.norm_eps, self.norm_group_size)
         return self.out_proj(y.to(x.dtype))
 
     def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, weight: torch.Tensor,

@@ -1,17 +1,25 @@
 """The skeleton both model families share: embeddings -> one block per layer -> final
 RMSNorm -> LM head, a packed-token forward over bound caches, logits for the sampled rows,
-and the mapping from checkpoint names to parameters. A family file says only what differs."""
+and the mapping from checkpoint names to parameters. A family file says only what differs.
+
+Tensor parallel: a model built with a `ParallelContext` of world size N holds this rank's
+share of every layer (see `layers/parallel.py`); embeddings and LM head are split by
+vocabulary rows, norms replicated; `forward` and `compute_logits` return the full hidden
+states and logits on every rank."""
 import re
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from hybrid_engine.models.config import HybridConfig
+from hybrid_engine.models.tensor_parallel import validate_tensor_parallel
 from layers.attention import PagedAttention
 from layers.forward_meta import ForwardMeta
 from layers.kernels.ops import KernelOps
 from layers.mamba2 import Mamba2Mixer
 from layers.norms import RMSNorm
+from layers.parallel import SINGLE, ParallelContext, ParallelLMHead, VocabParallelEmbedding
 from layers.rotary import RotaryEmbedding
 
 # Per-expert checkpoint tensors ("...experts.3.up_proj.weight") stacked into one [E, ...]
@@ -19,10 +27,25 @@ from layers.rotary import RotaryEmbedding
 PER_EXPERT_KEY = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<index>\d+)\.(?P<name>\w+)\.weight$")
 
 
+@dataclass(frozen=True)
+class PoolShape:
+    """This rank's cache dimensions, read from the built layers (the engine sizes its KV and
+    Mamba state pools from them): at world size 1 the config's, else the local shares."""
+
+    num_attention_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_mamba_layers: int
+    mamba_conv_dim: int
+    mamba_num_heads: int
+    mamba_head_dim: int
+    ssm_state_size: int
+
+
 class HybridForCausalLM(nn.Module):
     """A hybrid decoder whose kernel-calling layers all run the op set `ops` given here.
 
-    A family subclass sets `block` (built as `block(config, layer_kind, ops=ops)`, called as
+    A family subclass sets `block` (built as `block(config, layer_kind, ops=ops, tp=tp)`, called as
     `block(x, residual, meta) -> (output, residual)`, see `forward`) and the checkpoint names
     of its embedding table and final norm; it overrides `embed` / `compute_logits` /
     `branch_scale` where its model scales them.
@@ -33,15 +56,17 @@ class HybridForCausalLM(nn.Module):
     final_norm_name: str  # under `model.`
     norm_weight_in_fp32: bool = True  # see `KernelOps.rms_norm`
 
-    def __init__(self, config: HybridConfig, *, ops: KernelOps):
+    def __init__(self, config: HybridConfig, *, ops: KernelOps, tp: ParallelContext = SINGLE):
         super().__init__()
+        validate_tensor_parallel(config, tp.world_size, tp.expert_parallel)
         c = self.config = config
+        self.tp = tp
         self.model = nn.Module()
-        self.model.add_module(self.embeddings_name, nn.Embedding(c.vocab_size, c.hidden_size))
-        self.model.layers = nn.ModuleList(self.block(c, kind, ops=ops) for kind in c.layer_types)
+        self.model.add_module(self.embeddings_name, VocabParallelEmbedding(c.vocab_size, c.hidden_size, tp=tp))
+        self.model.layers = nn.ModuleList(self.block(c, kind, ops=ops, tp=tp) for kind in c.layer_types)
         self.model.add_module(self.final_norm_name,
                               RMSNorm(c.hidden_size, c.norm_eps, ops=ops, weight_in_fp32=self.norm_weight_in_fp32))
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(c.hidden_size, c.vocab_size, tp=tp)
 
     def forward(self, input_ids: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm for the packed step tokens.
@@ -76,7 +101,7 @@ class HybridForCausalLM(nn.Module):
         self.lm_head.weight = self.input_embeddings().weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits for the given hidden rows."""
+        """Float32 logits [rows, vocab] for the given hidden rows (all of them on every rank)."""
         return self.lm_head(hidden).float()
 
     def mamba_mixers(self) -> list[Mamba2Mixer]:
@@ -87,6 +112,22 @@ class HybridForCausalLM(nn.Module):
         """Attention layers in order; their index is the layer's index in the KV pools."""
         return [m for m in self.modules() if isinstance(m, PagedAttention)]
 
+    def pool_shape(self) -> PoolShape:
+        """This rank's cache dimensions (see `PoolShape`); without attention (or Mamba)
+        layers the missing ones are the config's."""
+        c, attention, mamba = self.config, self.attention_layers(), self.mamba_mixers()
+        a, m = attention[0] if attention else None, mamba[0] if mamba else None
+        return PoolShape(
+            num_attention_layers=len(attention),
+            num_kv_heads=a.num_kv_heads if a else c.num_kv_heads,
+            head_dim=a.head_dim if a else c.head_dim,
+            num_mamba_layers=len(mamba),
+            mamba_conv_dim=m.conv_dim if m else c.mamba_conv_dim,
+            mamba_num_heads=m.num_heads if m else c.mamba_num_heads,
+            mamba_head_dim=m.head_dim if m else c.mamba_head_dim,
+            ssm_state_size=m.state_size if m else c.ssm_state_size,
+        )
+
     def normalize_checkpoint_name(self, name: str) -> str | None:
         """Map a checkpoint tensor name to this model's parameter name; None = ignore it."""
         if name.startswith("backbone."):
@@ -96,14 +137,14 @@ class HybridForCausalLM(nn.Module):
         return name
 
 
-def make_attention(c: HybridConfig, ops: KernelOps) -> PagedAttention:
+def make_attention(c: HybridConfig, ops: KernelOps, tp: ParallelContext = SINGLE) -> PagedAttention:
     """The attention mixer of either family (RoPE only where the config asks for it)."""
     rotary = RotaryEmbedding(c.head_dim, c.rope_theta) if c.rope_theta is not None else None
     return PagedAttention(c.hidden_size, c.num_attention_heads, c.num_kv_heads, c.head_dim, c.attention_scale,
-                          bias=c.attention_bias, rotary=rotary, ops=ops)
+                          bias=c.attention_bias, rotary=rotary, ops=ops, tp=tp)
 
 
-def make_mamba(c: HybridConfig, ops: KernelOps) -> Mamba2Mixer:
+def make_mamba(c: HybridConfig, ops: KernelOps, tp: ParallelContext = SINGLE) -> Mamba2Mixer:
     """The Mamba-2 mixer of either family."""
     return Mamba2Mixer(c.hidden_size, c.mamba_num_heads, c.mamba_head_dim, c.mamba_n_groups, c.ssm_state_size,
-                       c.conv_kernel, c.dt_limit, c.norm_eps, c.use_conv_bias, c.mamba_proj_bias, ops=ops)
+                       c.conv_kernel, c.dt_limit, c.norm_eps, c.use_conv_bias, c.mamba_proj_bias, ops=ops, tp=tp)

@@ -12,6 +12,7 @@ from layers.kernels.ops import KernelOps
 from layers.mlp import SwiGLUMLP
 from layers.moe import GraniteMoE
 from layers.norms import RMSNorm
+from layers.parallel import SINGLE, ParallelContext
 
 # transformers' internal (stacked) names -> the checkpoint names this model uses.
 _HF_INTERNAL_NAMES = {
@@ -25,21 +26,21 @@ class GraniteBlock(nn.Module):
     """scaled residual add + norm (fused) -> mixer; scaled residual add + norm -> MoE +
     shared MLP."""
 
-    def __init__(self, c: HybridConfig, kind: str, *, ops: KernelOps):
+    def __init__(self, c: HybridConfig, kind: str, *, ops: KernelOps, tp: ParallelContext = SINGLE):
         super().__init__()
         self.residual_multiplier = c.residual_multiplier
         self.input_layernorm = RMSNorm(c.hidden_size, c.norm_eps, ops=ops, weight_in_fp32=False)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.norm_eps, ops=ops, weight_in_fp32=False)
         if kind == "mamba":
-            self.mamba = make_mamba(c, ops)
+            self.mamba = make_mamba(c, ops, tp)
         else:
-            self.self_attn = make_attention(c, ops)
+            self.self_attn = make_attention(c, ops, tp)
         self.kind = kind
         self.block_sparse_moe = (
-            GraniteMoE(c.hidden_size, c.num_experts, c.top_k, c.moe_intermediate_size, ops=ops)
+            GraniteMoE(c.hidden_size, c.num_experts, c.top_k, c.moe_intermediate_size, ops=ops, tp=tp)
             if c.num_experts else None
         )
-        self.shared_mlp = SwiGLUMLP(c.hidden_size, c.intermediate_size)
+        self.shared_mlp = SwiGLUMLP(c.hidden_size, c.intermediate_size, tp=tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: ForwardMeta) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,9 @@ may be stored per expert or stacked. Every missing, unexpected, mis-shaped or no
 a `CheckpointError` (a ValueError) naming the key or file. `load_format="dummy"` gives
 seeded random weights of the real shapes.
 The model's layers run the kernel op set they are built with (`load_model(..., ops=...)`).
+Tensor parallel (`tp`): every rank reads the full checkpoint tensors and keeps its cut of
+each (`Shard.cut`, recorded on the parameter); dummy weights are drawn at full size and cut,
+so they are the same model at every world size.
 """
 import json
 import logging
@@ -23,6 +26,7 @@ from hybrid_engine.models.config import ConfigError, HybridConfig, parse_hf_conf
 from hybrid_engine.models.registry import build_model
 from layers.kernels import KernelOps, select_ops
 from layers.mamba2 import Mamba2Mixer
+from layers.parallel import SINGLE, ParallelContext, shard_of
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +122,8 @@ def _target_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def load_checkpoint_weights(model: HybridForCausalLM, path: str) -> None:
-    """Copy every checkpoint tensor into its parameter (converting dtype), checking coverage."""
+    """Copy every checkpoint tensor (this rank's cut of it) into its parameter (converting
+    dtype), checking coverage; shapes are checked against the full model's."""
     targets = _target_tensors(model)
     loaded: set[str] = set()
     experts: dict[str, dict[int, tuple[str, torch.Tensor]]] = defaultdict(dict)  # name -> index -> (key, tensor)
@@ -128,15 +133,21 @@ def load_checkpoint_weights(model: HybridForCausalLM, path: str) -> None:
         if name not in targets:
             raise CheckpointError(f"unexpected weight {source!r} in checkpoint (no parameter {name!r} in the model)")
         target = targets[name]
-        if tuple(tensor.shape) != tuple(target.shape):
+        shard = shard_of(target)
+        expected = _full_shape(target)
+        if tuple(tensor.shape) != expected:
             raise CheckpointError(
-                f"weight {source!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)} for {name!r}"
+                f"weight {source!r} has shape {tuple(tensor.shape)}, the model expects {expected} for {name!r}"
             )
+        if shard is not None:
+            tensor = shard.cut(tensor)
         target.copy_(tensor.to(target.dtype))
         # Checked after the conversion, on the model's device: one pass, and it also
         # catches finite values that overflow a narrower dtype (float32 -> float16).
         bad_row = _first_non_finite_row(target)
         if bad_row is not None:
+            if shard is not None and shard.dim == 0:  # the stacked expert it is in the full tensor
+                bad_row = shard.full_index(bad_row)
             key = rows[bad_row] if rows is not None else source
             where = ("" if _first_non_finite_row(tensor) is not None
                      else f" once converted to {target.dtype} (values beyond its range)")
@@ -172,12 +183,29 @@ def load_checkpoint_weights(model: HybridForCausalLM, path: str) -> None:
 _CPU_DRAW_MAX_PARAMS = 50_000_000
 
 
+def _full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The shape of `param` in the full (world size 1) model."""
+    shard = shard_of(param)
+    return shard.full_shape(param.shape) if shard is not None else tuple(param.shape)
+
+
+def _set_from_full(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's cut of the full-model tensor `full` into `param`."""
+    shard = shard_of(param)
+    param.copy_(shard.cut(full) if shard is not None else full)
+
+
 @torch.no_grad()
 def init_dummy_weights(model: HybridForCausalLM, seed: int) -> None:
-    """Seeded random weights of the real shapes, scaled like the models' own init."""
+    """Seeded random weights of the real shapes, scaled like the models' own init.
+
+    Every tensor is drawn at its full (world size 1) shape, in the same order, and cut to
+    this rank's share: a rank of a tensor-parallel model holds exactly its part of the
+    world-size-1 model of the same seed.
+    """
     c: HybridConfig = model.config
     device = next(model.parameters()).device
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(math.prod(_full_shape(p)) for p in model.parameters())
     draw_on = torch.device("cpu") if n_params <= _CPU_DRAW_MAX_PARAMS else device
     gen = torch.Generator(device=draw_on).manual_seed(seed)
 
@@ -189,21 +217,21 @@ def init_dummy_weights(model: HybridForCausalLM, seed: int) -> None:
 
     for name, p in model.named_parameters():
         if p.ndim >= 2:
-            p.copy_(randn(p.shape) * 0.02)
+            _set_from_full(p, randn(_full_shape(p)) * 0.02)
         elif name.endswith("bias"):
             p.zero_()
         else:
             p.fill_(1.0)  # norm scales
     for mixer in model.modules():
         if isinstance(mixer, Mamba2Mixer):
-            heads = mixer.num_heads
-            mixer.A_log.copy_(torch.log(torch.arange(1, heads + 1, dtype=torch.float32)))
+            heads = _full_shape(mixer.A_log)[0]
+            _set_from_full(mixer.A_log, torch.log(torch.arange(1, heads + 1, dtype=torch.float32)))
             mixer.D.fill_(1.0)
             dt = torch.exp(rand(heads) * (math.log(c.time_step_max) - math.log(c.time_step_min))
                            + math.log(c.time_step_min)).clamp(min=1e-4)
-            mixer.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+            _set_from_full(mixer.dt_bias, dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
             bound = 1.0 / math.sqrt(mixer.conv1d.weight.shape[-1])
-            mixer.conv1d.weight.copy_((rand(mixer.conv1d.weight.shape) * 2 - 1) * bound)
+            _set_from_full(mixer.conv1d.weight, (rand(_full_shape(mixer.conv1d.weight)) * 2 - 1) * bound)
     if c.tie_word_embeddings:
         model.tie_embeddings()
 
@@ -217,9 +245,9 @@ def _keep_fp32(model: nn.Module) -> None:
 
 
 def create_model(config: HybridConfig, device: torch.device, dtype: torch.dtype, *,
-                 ops: KernelOps) -> HybridForCausalLM:
-    """The model on `device` with parameters in `dtype` (placeholders until loaded or
-    initialized), its layers running the op set `ops`.
+                 ops: KernelOps, tp: ParallelContext = SINGLE) -> HybridForCausalLM:
+    """The model (rank `tp.rank`'s share of it) on `device` with parameters in `dtype`
+    (placeholders until loaded or initialized), its layers running the op set `ops`.
 
     Built directly on the target device with `dtype` as the default dtype (not meta +
     to_empty, whose first use imports sympy and costs seconds, nor a later `.to(dtype)`,
@@ -229,7 +257,7 @@ def create_model(config: HybridConfig, device: torch.device, dtype: torch.dtype,
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = build_model(config, ops=ops)
+            model = build_model(config, ops=ops, tp=tp)
     finally:
         torch.set_default_dtype(previous)
     _keep_fp32(model)
@@ -238,17 +266,18 @@ def create_model(config: HybridConfig, device: torch.device, dtype: torch.dtype,
 
 def load_model(
     hf_config: dict, path: str | None, device: torch.device, dtype: torch.dtype, load_format: str = "auto",
-    seed: int = 0, *, ops: KernelOps | None = None,
+    seed: int = 0, *, ops: KernelOps | None = None, tp: ParallelContext = SINGLE,
 ) -> HybridForCausalLM:
     """Parse the config, build the model and fill its weights from `path` or randomly.
 
     `ops` is the kernel op set every layer of the model runs; None chooses it for `device`
     (`select_ops`). An engine passes the set it chose, so its model runs exactly that one.
+    `tp`: this process's place in a tensor-parallel group; the model holds its share.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     config = parse_hf_config(hf_config)
-    model = create_model(config, device, dtype, ops=ops if ops is not None else select_ops(device))
+    model = create_model(config, device, dtype, ops=ops if ops is not None else select_ops(device), tp=tp)
     if load_format == "dummy" or path is None:
         init_dummy_weights(model, seed)
     else:

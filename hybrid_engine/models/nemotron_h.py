@@ -10,25 +10,26 @@ from layers.kernels.ops import KernelOps
 from layers.mlp import Relu2MLP
 from layers.moe import NemotronHMoE
 from layers.norms import RMSNorm
+from layers.parallel import SINGLE, ParallelContext
 
 
 class NemotronHBlock(nn.Module):
     """residual add + norm (fused) -> mixer."""
 
-    def __init__(self, c: HybridConfig, kind: str, *, ops: KernelOps):
+    def __init__(self, c: HybridConfig, kind: str, *, ops: KernelOps, tp: ParallelContext = SINGLE):
         super().__init__()
         self.kind = kind
         self.norm = RMSNorm(c.hidden_size, c.norm_eps, ops=ops)
         if kind == "mamba":
-            self.mixer = make_mamba(c, ops)
+            self.mixer = make_mamba(c, ops, tp)
         elif kind == "attention":
-            self.mixer = make_attention(c, ops)
+            self.mixer = make_attention(c, ops, tp)
         elif kind == "mlp":
-            self.mixer = Relu2MLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+            self.mixer = Relu2MLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, tp=tp)
         else:
             self.mixer = NemotronHMoE(c.hidden_size, c.num_experts, c.top_k, c.moe_intermediate_size,
                                       c.shared_intermediate_size, c.n_group, c.topk_group, c.norm_topk_prob,
-                                      c.routed_scaling_factor, c.moe_latent_size, bias=c.mlp_bias, ops=ops)
+                                      c.routed_scaling_factor, c.moe_latent_size, bias=c.mlp_bias, ops=ops, tp=tp)
         self.needs_meta = kind in ("mamba", "attention")
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None,

@@ -17,6 +17,8 @@ one call with many prompts does not hold every slot until it is done.
 Failure containment: a request the engine refuses fails alone (ValueError -> 400,
 anything else -> 500); if a whole `step()` raises, every in-flight request fails with
 the error, the engine is told to abort them, and the loop keeps serving new requests.
+An engine that died (a tensor-parallel worker exited: `LLMEngine.dead`) has failed every
+request itself; the loop then stops, and the server answers 503 from then on.
 """
 import asyncio
 import concurrent.futures
@@ -297,6 +299,9 @@ class AsyncLLM:
                 self._feed(engine)
                 ok = self._step(engine) if engine.has_unfinished_requests() else True
                 self._publish_stats(engine)
+                if engine.dead is not None:  # a tensor-parallel worker died: nothing more can run
+                    logger.error("the engine is dead (%s): the server stops taking requests", engine.dead)
+                    return
             except Exception:  # a bug outside the step itself: log it, keep serving
                 logger.exception("error in the engine loop")
                 ok = False
@@ -470,6 +475,7 @@ class AsyncLLM:
         except Exception:
             logger.exception("aborting in-flight requests at shutdown failed")
         self._fail_all(engine, "the server is shutting down")  # whatever the last step did not end
+        engine.shutdown()  # tensor-parallel workers stop with the engine thread
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:

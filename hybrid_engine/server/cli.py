@@ -77,8 +77,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
                         '\'{"method": "draft_model", "model": "PATH", "num_speculative_tokens": 4}\' '
                         "(docs/speculative.md; default: off)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="shard the model over N GPUs (N processes, started by the server; docs/parallel.md)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with --tensor-parallel-size: MoE layers hold whole experts per GPU instead of a slice "
+                        "of every expert")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     args = p.parse_args(argv)
+    if args.tensor_parallel_size < 1:
+        p.error(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
     args.speculative_config = _speculative_config(p, args.speculative_config)
     if args.max_waiting_requests < 0:
         p.error("--max-waiting-requests must be >= 0")
@@ -149,6 +156,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_cache_max_checkpoints=args.prefix_cache_max_checkpoints,
         prefix_cache_checkpoint_interval=args.prefix_cache_checkpoint_interval,
+        tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
     )
 
 

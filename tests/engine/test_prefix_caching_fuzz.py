@@ -307,7 +307,7 @@ def test_default_checkpoints_never_make_a_fitting_configuration_fail(model_path,
         fake = types.SimpleNamespace(config=config, model_config=engine.model_config,
                                      max_model_len=engine.max_model_len, state_banks=engine.state_banks,
                                      state_positions=engine.state_positions, _user_max_num_seqs=True,
-                                     device=torch.device("cuda"))
+                                     device=torch.device("cuda"), model=engine.model, group=None)
         fake.kv_blocks_floor = lambda: LLMEngine.kv_blocks_floor(fake)
         fake._pool_bytes = lambda *args: LLMEngine._pool_bytes(fake, *args)
         try:

@@ -5,6 +5,7 @@ import torch
 
 from hybrid_engine.models.loader import load_model, read_config
 from layers.forward_meta import ForwardMeta
+from layers.parallel import SINGLE, ParallelContext
 
 NEMOTRON_MOE = dict(
     vocab_size=96, hidden_size=32, hybrid_override_pattern="M*-ME-M*E", num_attention_heads=4, num_key_value_heads=2,
@@ -60,11 +61,12 @@ CHECKPOINTS = {
 }
 
 
-def make_hf_checkpoint(path, name: str, seed: int = 0, **save_kwargs):
-    """Build the named tiny HF model with random weights, save it to `path`, return the HF model."""
+def make_hf_checkpoint(path, name: str | tuple[str, str, dict], seed: int = 0, **save_kwargs):
+    """Build the named tiny HF model (or a (config class, model class, kwargs) one) with random
+    weights, save it to `path`, return the HF model."""
     import transformers
 
-    config_cls, model_cls, kwargs = CHECKPOINTS[name]
+    config_cls, model_cls, kwargs = CHECKPOINTS[name] if isinstance(name, str) else name
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs)).eval()
     with torch.no_grad():  # non-trivial values where HF's init leaves zeros / ones
@@ -88,18 +90,19 @@ def hf_checkpoint(request, tmp_path_factory):
 
 
 class SingleSequence:
-    """Drives our model directly on one sequence with hand-built step metadata."""
+    """Drives our model directly on one sequence with hand-built step metadata (`tp`: this
+    process's rank of a tensor-parallel model; its caches hold the rank's share)."""
 
-    def __init__(self, path: str, block_size: int = 4, num_blocks: int = 64):
-        self.model = load_model(read_config(path), path, torch.device("cpu"), torch.float32)
-        c = self.model.config
+    def __init__(self, path: str, block_size: int = 4, num_blocks: int = 64, tp: ParallelContext = SINGLE):
+        self.model = load_model(read_config(path), path, torch.device("cpu"), torch.float32, tp=tp)
+        c, pool = self.model.config, self.model.pool_shape()
         self.block_size = block_size
         for layer in self.model.attention_layers():
-            shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
+            shape = (num_blocks, block_size, pool.num_kv_heads, pool.head_dim)
             layer.kv_cache = (torch.zeros(shape), torch.zeros(shape))
         for mixer in self.model.mamba_mixers():
-            mixer.conv_state = torch.zeros(1, c.mamba_conv_dim, c.conv_kernel - 1)
-            mixer.ssm_state = torch.zeros(1, c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size)
+            mixer.conv_state = torch.zeros(1, pool.mamba_conv_dim, c.conv_kernel - 1)
+            mixer.ssm_state = torch.zeros(1, pool.mamba_num_heads, pool.mamba_head_dim, pool.ssm_state_size)
         self.block_table = torch.randperm(num_blocks, dtype=torch.int32)[None]  # non-contiguous pages
         self.length = 0
 

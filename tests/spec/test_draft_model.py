@@ -228,10 +228,12 @@ def test_the_draft_model_shares_the_memory_budget(checkpoints, monkeypatch):
     fake = types.SimpleNamespace(
         config=dataclasses.replace(engine.config, num_kv_blocks=None, gpu_memory_utilization=1.0),
         model_config=engine.model_config, max_model_len=1 << 30, state_banks=engine.state_banks,
-        state_positions=engine.state_positions, _user_max_num_seqs=True, device=torch.device("cuda"))
+        state_positions=engine.state_positions, _user_max_num_seqs=True, device=torch.device("cuda"),
+        model=engine.model, group=None)
     fake.kv_blocks_floor = lambda: 1
     fake._pool_bytes = lambda *args: LLMEngine._pool_bytes(fake, *args)
-    own = fake._pool_bytes(engine.model_config, "float32", engine.state_banks)
+    own = fake._pool_bytes(engine.model.pool_shape(), engine.model_config.conv_kernel - 1, "float32",
+                           engine.state_banks)
     seqs, alone, _ = LLMEngine._size_pools(fake)
     seqs_shared, shared, _ = LLMEngine._size_pools(fake, own)
     assert seqs == seqs_shared == 4

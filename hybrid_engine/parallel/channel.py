@@ -1,0 +1,153 @@
+"""The per-step message from the driver to the tensor-parallel workers, and the worker's
+loop that follows it.
+
+Every step the driver's runner writes the step into its pinned host buffer
+(`cache/step_buffer.py`); the workers hold runners with buffers of the same layout. The
+message is the step's shape (`StepHeader`, a few ints: which engine, the plan's sizes and
+sampler flags) in one small broadcast, then the host buffer itself in ONE broadcast; each
+rank then makes its own single host-to-device copy and launches the same step.
+
+Device operations the driver's bookkeeping issues between steps -- a Mamba state copy
+(prefix-cache checkpoint, resume), a KV block copy (copy-on-write), a request's token
+history written from a cached prefix -- are logged by `DeviceOpLog` as they run on the
+driver and travel with the next step message (a third broadcast, only when there are
+some); the worker replays them before that step, which is where stream order put them on
+the driver (after every step launched before them, before every later one).
+
+Samples come back from rank 0 only: every rank samples the same gathered logits with the
+same seeds, so each keeps identical on-device samples (a launch-ahead step reads them),
+and only the driver copies them to the host.
+"""
+import logging
+import pickle
+from dataclasses import astuple, dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hybrid_engine.parallel.group import TensorParallelGroup
+from hybrid_engine.scheduler import SchedulerOutput
+from hybrid_engine.step import StepPlan
+
+logger = logging.getLogger(__name__)
+
+KIND_STEP, KIND_STOP = 1, 2
+
+
+@dataclass(frozen=True)
+class StepHeader:
+    """What a worker needs besides the host buffer to run the driver's step."""
+
+    kind: int
+    engine: int  # 0: the target engine, 1: its draft-model engine
+    num_decode: int
+    num_prefill: int
+    num_tokens: int
+    max_seqlen_q: int
+    num_logprobs: int
+    all_greedy: int
+    use_penalties: int
+    num_from_prev: int
+    decode_width: int
+    num_new_slots: int
+    device_ops_bytes: int  # size of the pickled device-op log that follows (0: none)
+
+    @classmethod
+    def of_plan(cls, engine: int, plan: StepPlan, device_ops_bytes: int) -> "StepHeader":
+        return cls(KIND_STEP, engine, plan.num_decode, plan.num_prefill, plan.num_tokens, plan.max_seqlen_q,
+                   plan.num_logprobs, int(plan.all_greedy), int(plan.use_penalties), plan.num_from_prev,
+                   plan.decode_width, plan.num_new_slots, device_ops_bytes)
+
+    def plan(self) -> StepPlan:
+        """The device-side plan of the step (no requests: a worker never sees them)."""
+        return StepPlan(sched=SchedulerOutput(), num_decode=self.num_decode, num_prefill=self.num_prefill,
+                        num_tokens=self.num_tokens, max_seqlen_q=self.max_seqlen_q, num_logprobs=self.num_logprobs,
+                        all_greedy=bool(self.all_greedy), use_penalties=bool(self.use_penalties),
+                        num_from_prev=self.num_from_prev, decode_width=self.decode_width,
+                        num_new_slots=self.num_new_slots)
+
+
+_HEADER_LEN = len(StepHeader.__dataclass_fields__)
+
+
+class DeviceOpLog:
+    """Device operations of the driver's bookkeeping, to be replayed by the workers.
+
+    `record(target, op, *args)` is called by the object that just ran `op` on its own
+    device tensors (`"mamba"`: the state allocator, `"kv"`: the KV allocator, `"runner"`:
+    the model runner); the worker calls the same method of its own object with the same
+    arguments.
+    """
+
+    def __init__(self):
+        self.ops: list[tuple[str, str, tuple]] = []
+
+    def record(self, target: str, op: str, *args: Any) -> None:
+        self.ops.append((target, op, args))
+
+    def take(self) -> bytes:
+        """The ops logged since the last call, pickled (b"" when none)."""
+        if not self.ops:
+            return b""
+        ops, self.ops = self.ops, []
+        return pickle.dumps(ops)
+
+
+class StepSender:
+    """Driver side of one engine's steps (`engine`: 0 target, 1 draft)."""
+
+    def __init__(self, group: TensorParallelGroup, engine: int):
+        self.group, self.engine = group, engine
+        self.device_ops = DeviceOpLog()
+
+    def send(self, plan: StepPlan, host_bytes: torch.Tensor) -> None:
+        """Send a prepared step: header, host buffer, and the device ops logged before it.
+        A failure here leaves the ranks out of step: the group is marked broken."""
+        self.group.check_workers()
+        ops = self.device_ops.take()
+        header = StepHeader.of_plan(self.engine, plan, len(ops))
+        try:
+            _broadcast(torch.tensor(astuple(header), dtype=torch.int64), self.group)
+            _broadcast(host_bytes, self.group)
+            if ops:
+                _broadcast(torch.frombuffer(bytearray(ops), dtype=torch.uint8), self.group)
+        except Exception as error:
+            self.group.mark_broken(error)
+            raise
+
+    def send_stop(self) -> None:
+        """Tell every worker to leave its loop."""
+        fields = dict.fromkeys(StepHeader.__dataclass_fields__, 0)
+        _broadcast(torch.tensor(astuple(StepHeader(**{**fields, "kind": KIND_STOP})), dtype=torch.int64), self.group)
+
+
+def _broadcast(t: torch.Tensor, group: TensorParallelGroup) -> None:
+    dist.broadcast(t, src=0, group=group.channel_group)
+
+
+def follow(group: TensorParallelGroup, runners: dict[int, Any], targets: dict[int, dict[str, Any]],
+           on_step: Callable[[], None] | None = None) -> None:
+    """Worker: run the driver's steps until it says stop.
+
+    `runners[engine]` is that engine's `ModelRunner`; `targets[engine]` maps the names of
+    `DeviceOpLog.record` to the objects whose methods replay them.
+    """
+    header_buf = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+    while True:
+        _broadcast(header_buf, group)
+        header = StepHeader(*header_buf.tolist())
+        if header.kind == KIND_STOP:
+            return
+        runner = runners[header.engine]
+        _broadcast(runner.buffer.host_bytes(), group)
+        if header.device_ops_bytes:
+            raw = torch.empty(header.device_ops_bytes, dtype=torch.uint8)
+            _broadcast(raw, group)
+            for target, op, args in pickle.loads(np.asarray(raw).tobytes()):
+                getattr(targets[header.engine][target], op)(*args)
+        runner.buffer.sync()
+        runner.launch(header.plan())
+        if on_step is not None:
+            on_step()

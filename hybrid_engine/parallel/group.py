@@ -1,0 +1,231 @@
+"""A tensor-parallel group of processes: starting it from the driver, joining it from a
+worker, telling when it broke, and tearing it down.
+
+Rank 0 is the driver: the process that built the `LLM` (or the server). It owns
+scheduling and the CPU bookkeeping; ranks 1..N-1 are worker processes that it starts
+itself as `python -m hybrid_engine.parallel.worker` (no `if __name__ == "__main__"` guard
+needed in the user's script, nothing forked after CUDA is up), each holding one shard of
+the model and following the driver's steps (`hybrid_engine/parallel/channel.py`).
+
+Rendezvous on one node: the driver opens a TCPStore on a free port of 127.0.0.1 and hands
+it to its workers on their command line; no environment variables are needed. Across
+nodes: with `MASTER_ADDR`, `MASTER_PORT` and `WORLD_SIZE` set, every rank joins through
+torch.distributed's `env://`; the driver (RANK 0) starts ranks 1..LOCAL_WORLD_SIZE-1 on
+its node and each other node runs `python -m hybrid_engine.parallel.worker
+--node-rank K --nproc-per-node L` (docs/parallel.md).
+
+Two process groups: the default group (NCCL on CUDA, gloo on CPU) carries the model's
+collectives; a gloo group carries the per-step messages between host buffers and waits
+without a deadline (a worker idles there between requests). A worker that dies breaks
+the collectives of every rank at once (gloo reports the closed connection); the driver
+also polls its local workers before every step.
+"""
+import dataclasses
+import datetime
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from layers.parallel import ParallelContext
+
+logger = logging.getLogger(__name__)
+
+# The model's collectives: long enough for a first step that compiles kernels on every rank.
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+# The step channel: a worker waits here for the next step for as long as the server idles.
+CHANNEL_TIMEOUT = datetime.timedelta(days=365)
+# How long shutdown waits for workers to exit by themselves before killing them.
+WORKER_EXIT_TIMEOUT_S = 10.0
+# How long a failed collective waits for a local worker's exit to explain it.
+DEATH_NOTICE_S = 1.0
+ENV_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class ParallelGroupError(RuntimeError):
+    """The tensor-parallel group broke: a worker died or a collective failed. The engine
+    ends every request with finish_reason "error" and serves no more."""
+
+
+def uses_env_rendezvous() -> bool:
+    """Whether torch.distributed's env:// variables describe the group (multi-node)."""
+    return all(os.environ.get(name) for name in ENV_RENDEZVOUS)
+
+
+@dataclass
+class TensorParallelGroup:
+    """This process's membership in a tensor-parallel group.
+
+    `context` is what the layers see (rank, world size, expert parallelism, the device
+    group); `channel_group` carries the step messages; `workers` are the processes the
+    driver started (empty on a worker).
+    """
+
+    context: ParallelContext
+    channel_group: Any
+    device: torch.device
+    workers: list[subprocess.Popen] = field(default_factory=list)
+    broken: str | None = None  # why the group broke, once it has
+    _closed: bool = False
+
+    @property
+    def rank(self) -> int:
+        return self.context.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.context.world_size
+
+    @property
+    def is_driver(self) -> bool:
+        return self.context.rank == 0
+
+    # ---- starting and joining -------------------------------------------------------
+    @classmethod
+    def start(cls, world_size: int, expert_parallel: bool, device: str) -> "TensorParallelGroup":
+        """Start the group from the driver (rank 0): launch the workers of this node, join
+        the rendezvous with them, and return once every rank is in."""
+        if dist.is_initialized():
+            raise RuntimeError("tensor_parallel_size > 1 needs torch.distributed uninitialized in this process: "
+                               "another tensor-parallel engine is alive (call its shutdown() first), or the "
+                               "process group was initialized elsewhere")
+        device_type = torch.device(device).type
+        on_cuda = device_type == "cuda"
+        if on_cuda and torch.cuda.device_count() < world_size and not uses_env_rendezvous():
+            raise ValueError(f"tensor_parallel_size {world_size} needs {world_size} GPUs on this node; "
+                             f"{torch.cuda.device_count()} are visible")
+        workers: list[subprocess.Popen] = []
+        if uses_env_rendezvous():
+            if int(os.environ["WORLD_SIZE"]) != world_size or int(os.environ.get("RANK", "0")) != 0:
+                raise ValueError(f"env:// rendezvous: WORLD_SIZE must equal tensor_parallel_size ({world_size}) "
+                                 f"and the driver's RANK must be 0, got WORLD_SIZE={os.environ['WORLD_SIZE']} "
+                                 f"RANK={os.environ.get('RANK', '0')}")
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            workers = [_spawn_worker(["--env", "--device-type", device_type], {"RANK": str(r), "LOCAL_RANK": str(r)})
+                       for r in range(1, local)]
+            store, rendezvous = None, "env://"
+        else:
+            store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                                  timeout=COLLECTIVE_TIMEOUT)
+            address = f"127.0.0.1:{store.port}"
+            workers = [_spawn_worker(["--store", address, "--rank", str(r), "--world-size", str(world_size),
+                                      "--device-type", device_type], {})
+                       for r in range(1, world_size)]
+            rendezvous = None
+        try:
+            group = cls._join(0, world_size, expert_parallel, device, store, rendezvous)
+        except BaseException:
+            for worker in workers:
+                worker.kill()
+            raise
+        group.workers = workers
+        return group
+
+    @classmethod
+    def join(cls, rank: int, world_size: int, device_type: str, local_rank: int,
+             store_address: str | None) -> tuple["TensorParallelGroup", Any]:
+        """Join the group from a worker; returns it and the driver's engine config."""
+        store = None
+        if store_address is not None:
+            host, port = store_address.rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+        device = f"cuda:{local_rank}" if device_type == "cuda" else "cpu"
+        group = cls._join(rank, world_size, False, device, store, None if store else "env://")
+        config = group.receive_object()
+        group.context = ParallelContext(rank, world_size, config.enable_expert_parallel, group.context.group)
+        return group, dataclasses.replace(config, device=str(group.device))
+
+    @classmethod
+    def _join(cls, rank: int, world_size: int, expert_parallel: bool, device: str, store: Any,
+              init_method: str | None) -> "TensorParallelGroup":
+        on_cuda = torch.device(device).type == "cuda"
+        if on_cuda:
+            torch.cuda.set_device(torch.device(device))
+        dist.init_process_group("nccl" if on_cuda else "gloo", init_method=init_method, store=store, rank=rank,
+                                world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+        channel = dist.new_group(backend="gloo", timeout=CHANNEL_TIMEOUT)
+        context = ParallelContext(rank, world_size, expert_parallel, dist.group.WORLD)
+        return cls(context, channel, torch.device(device))
+
+    # ---- small collectives on the channel -------------------------------------------
+    def send_object(self, obj: Any) -> None:
+        """Driver: send a picklable object to every worker (`receive_object`)."""
+        dist.broadcast_object_list([obj], src=0, group=self.channel_group)
+
+    def receive_object(self) -> Any:
+        """Worker: the object the driver sent with `send_object`."""
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.channel_group)
+        return box[0]
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest `value` any rank has (e.g. free device memory: pools are sized to
+        fit on every rank)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.channel_group)
+        return int(t.item())
+
+    # ---- health and teardown --------------------------------------------------------
+    def check_workers(self) -> None:
+        """Driver: raise ParallelGroupError if the group broke or a local worker exited."""
+        if self.broken is None:
+            for rank, worker in enumerate(self.workers, start=1):
+                code = worker.poll()
+                if code is not None:
+                    self.broken = f"tensor-parallel worker rank {rank} (pid {worker.pid}) exited with code {code}"
+                    break
+        if self.broken is not None:
+            raise ParallelGroupError(self.broken)
+
+    def mark_broken(self, error: BaseException) -> None:
+        """A collective or a step message failed mid-step: the ranks are out of step for
+        good. Records why (a dead worker's exit, if one is known)."""
+        if self.broken is not None:
+            return
+        # A collective usually fails because a peer died: give its exit a moment to show.
+        deadline = time.monotonic() + DEATH_NOTICE_S
+        while True:
+            try:
+                self.check_workers()
+            except ParallelGroupError:
+                return
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
+        self.broken = f"a tensor-parallel collective failed: {type(error).__name__}: {error}"
+
+    def shutdown(self, send_stop: Any = None) -> None:
+        """Driver: stop the workers (`send_stop()` tells them, when the group is healthy),
+        wait for them (then kill), and destroy the process groups. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if send_stop is not None and self.broken is None:
+            try:
+                send_stop()
+            except Exception as error:  # a worker already gone: it is killed below
+                logger.warning("could not tell the tensor-parallel workers to stop: %s", error)
+        for worker in self.workers:
+            try:
+                worker.wait(timeout=WORKER_EXIT_TIMEOUT_S if self.broken is None else 0.1)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _spawn_worker(args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """Start one worker process running `hybrid_engine.parallel.worker`; the package root
+    goes first on its PYTHONPATH so it imports the same code as the driver."""
+    child_env = dict(os.environ, **env)
+    child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))
+    return subprocess.Popen([sys.executable, "-m", "hybrid_engine.parallel.worker", *args], env=child_env)
+

@@ -1,0 +1,243 @@
+"""Tensor / expert parallelism end to end on CPU (gloo, 2 and 4 processes): the engine
+starts its own workers, every scheduling path reproduces transformers (CPU float32), and
+a dead worker ends every request with an error instead of a hang.
+
+The tiny checkpoints have 2 KV heads and 2 Mamba groups, so at 4 ranks both are
+replicated (each rank keeps the ones its heads use). Each test builds its engine and shuts
+it down: one tensor-parallel engine at a time per process (torch.distributed's default
+group)."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hybrid_engine import LLM, SamplingParams
+from tests.models.conftest import hf_greedy, make_hf_checkpoint
+from tests.spec.proposers import PartialProposer
+
+PROMPT_LENS = (5, 23, 11)
+MAX_TOKENS = 10
+LOGPROB_ATOL = 1e-4
+MIN_TOP1_MARGIN = 1e-3
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
+
+
+class Oracle:
+    """A tiny checkpoint, prompts, and transformers' greedy answers with logprobs."""
+
+    def __init__(self, path: str, hf, num_prompts: int = len(PROMPT_LENS), seed: int = 0):
+        self.path = path
+        gen = torch.Generator().manual_seed(seed)
+        self.prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=gen).tolist()
+                        for n in PROMPT_LENS[:num_prompts]]
+        self.tokens, self.logprobs = [], []
+        for prompt in self.prompts:
+            tokens, logprobs = hf_greedy(hf, prompt, MAX_TOKENS)
+            top2 = logprobs.topk(2).values
+            assert (top2[:, 0] - top2[:, 1]).min() > MIN_TOP1_MARGIN, "near-tie in HF's greedy choice"
+            self.tokens.append(tokens)
+            self.logprobs.append(logprobs)
+
+    def check(self, outputs) -> None:
+        """Greedy tokens equal HF's; each sampled token's logprob within 1e-4 of HF's."""
+        for out, tokens, logprobs in zip(outputs, self.tokens, self.logprobs):
+            assert out.output_token_ids == tokens
+            ours = torch.tensor([lp[t] for lp, t in zip(out.logprobs, tokens)])
+            ref = logprobs.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+            torch.testing.assert_close(ours, ref, atol=LOGPROB_ATOL, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def nemotron(tmp_path_factory) -> Oracle:
+    path = tmp_path_factory.mktemp("tp_nemotron")
+    return Oracle(str(path), make_hf_checkpoint(path, "nemotron_moe_sharp"))
+
+
+@pytest.fixture(scope="module")
+def granite(tmp_path_factory) -> Oracle:
+    path = tmp_path_factory.mktemp("tp_granite")
+    return Oracle(str(path), make_hf_checkpoint(path, "granite_moe_rope_sharp"))
+
+
+def _llm(path: str, size: int, **kwargs) -> LLM:
+    return LLM(model=path, device="cpu", dtype="float32", tensor_parallel_size=size, kv_block_size=4, **kwargs)
+
+
+def _generate(llm: LLM, prompts, params=GREEDY):
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("model", ["nemotron", "granite"])
+def test_four_ranks_replicated_kv_heads_and_groups_match_hf_async_with_rejections(model, request):
+    """4 ranks (KV heads and Mamba groups replicated), launch-ahead with injected
+    rejections, a token budget that chunks the prefills, prefix caching on: == HF."""
+    oracle = request.getfixturevalue(model)
+    llm = _llm(oracle.path, 4, inject_rejection_rate=0.3, max_num_seqs=4, max_num_batched_tokens=8)
+    try:
+        oracle.check(_generate(llm, oracle.prompts))
+        stats = llm.engine.stats()
+        assert stats["rejected_launches"] > 0 and stats["launch_ahead_steps"] > 0
+    finally:
+        llm.shutdown()
+
+
+def test_expert_parallel_equals_tensor_parallel(nemotron):
+    """Whole experts per rank (EP) give TP's tokens, and logprobs within 1e-5."""
+    runs = {}
+    for ep in (False, True):
+        llm = _llm(nemotron.path, 2, enable_expert_parallel=ep, async_scheduling=False)
+        try:
+            runs[ep] = _generate(llm, nemotron.prompts)
+        finally:
+            llm.shutdown()
+    nemotron.check(runs[True])
+    for tp, ep in zip(runs[False], runs[True]):
+        assert tp.output_token_ids == ep.output_token_ids
+        for a, b in zip(tp.logprobs, ep.logprobs):
+            assert a.keys() == b.keys()
+            assert max(abs(a[t] - b[t]) for t in a) < 1e-5
+
+
+def test_granite_two_ranks_speculative_and_prefix_cache_match_hf(granite):
+    """Granite (RoPE, shared MLP, logit scaling) at 2 ranks with drafts (HF's answer, every
+    other one corrupted: verify rows accept a prefix, the state rolls back), then a second
+    round that resumes from the prefix cache (its state and KV copies are replayed on the
+    worker) with penalties (the token history written from the cached prefix)."""
+    ids = [f"generate-{i}" for i in range(len(granite.prompts))]
+    truth = {rid: p + t for rid, p, t in zip(ids, granite.prompts, granite.tokens)}
+    proposer = PartialProposer(truth, rate=0.3, vocab_size=96)
+    llm = _llm(granite.path, 2, speculative_config={"method": "proposer", "proposer": proposer,
+                                                    "num_speculative_tokens": 3})
+    try:
+        first = _generate(llm, granite.prompts)
+        granite.check(first)
+        stats = llm.engine.stats()
+        assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
+        # The next turn of each conversation: prompt + answer + new tokens.
+        turns = [p + o.output_token_ids + [7, 8, 9] for p, o in zip(granite.prompts, first)]
+        penalized = SamplingParams(max_tokens=6, temperature=0.8, seed=3, repetition_penalty=1.3,
+                                   frequency_penalty=0.2)
+        cached = _generate(llm, turns, penalized)
+        assert llm.engine.stats()["prefix_cache_hits"] > 0
+    finally:
+        llm.shutdown()
+    single = LLM(model=granite.path, device="cpu", dtype="float32", kv_block_size=4, enable_prefix_caching=False)
+    fresh = _generate(single, turns, penalized)
+    assert [o.output_token_ids for o in cached] == [o.output_token_ids for o in fresh]
+
+
+def test_draft_model_under_tensor_parallel(nemotron):
+    """The draft engine is sharded too (it follows its own steps on the workers): the
+    checkpoint drafting for itself is accepted and the output is HF's."""
+    llm = _llm(nemotron.path, 2, speculative_config={"method": "draft_model", "model": nemotron.path,
+                                                      "num_speculative_tokens": 3})
+    try:
+        nemotron.check(_generate(llm, nemotron.prompts))
+        stats = llm.engine.stats()
+        assert stats["spec_accepted_tokens"] >= 0.99 * stats["spec_proposed_tokens"] > 0
+    finally:
+        llm.shutdown()
+
+
+def test_engines_one_after_another_and_garbage_collected(nemotron):
+    """shutdown() frees the process group for the next engine; so does dropping an LLM."""
+    import gc
+
+    llm = _llm(nemotron.path, 2)
+    workers = list(llm.engine.group.workers)
+    del llm
+    gc.collect()
+    assert all(w.poll() is not None for w in workers) and not dist.is_initialized()
+    llm = _llm(nemotron.path, 2)
+    try:
+        nemotron.check(_generate(llm, nemotron.prompts[:1]))
+    finally:
+        llm.shutdown()
+    llm.shutdown()  # idempotent
+    assert not dist.is_initialized()
+
+
+def test_a_dead_worker_fails_every_request_and_the_engine_says_so(nemotron):
+    """SIGKILL a worker mid-generation: within 30 s every request (running or waiting)
+    ends with finish_reason "error", the engine reports why, and refuses new requests."""
+    llm = _llm(nemotron.path, 2, max_num_seqs=2)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(nemotron.prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    ended = {}
+    for _ in range(3):
+        for out in engine.step():
+            ended.update({out.request_id: out} if out.finished else {})
+    worker = engine.group.workers[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        for out in engine.step():
+            if out.finished:
+                ended[out.request_id] = out
+    assert not engine.has_unfinished_requests()
+    assert {r: o.finish_reason for r, o in ended.items()} == {f"r{i}": "error" for i in range(len(nemotron.prompts))}
+    assert engine.dead is not None and "rank 1" in engine.dead
+    with pytest.raises(RuntimeError, match="engine is dead"):
+        engine.add_request("late", nemotron.prompts[0], params)
+    llm.shutdown()
+    assert not dist.is_initialized()
+
+
+def test_errors_name_the_field_before_any_worker_starts(nemotron):
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        _llm(nemotron.path, 3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        _llm(nemotron.path, 0)
+    assert not dist.is_initialized()
+
+
+_UNGUARDED_SCRIPT = """
+from hybrid_engine import LLM, SamplingParams
+llm = LLM(model={path!r}, device="cpu", dtype="float32", tensor_parallel_size=2)
+out = llm.generate([{prompt!r}], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False)
+print("TOKENS", out[0].output_token_ids)
+"""
+
+
+def test_unguarded_top_level_script(nemotron, tmp_path):
+    """A script with no `if __name__ == "__main__"` guard: the workers are fresh
+    interpreters running the worker module, not re-imports of the script."""
+    script = tmp_path / "script.py"
+    script.write_text(_UNGUARDED_SCRIPT.format(path=nemotron.path, prompt=nemotron.prompts[0]))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
+                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = next(l for l in done.stdout.splitlines() if l.startswith("TOKENS"))
+    assert line == f"TOKENS {nemotron.tokens[0][:6]}"
+
+
+def test_env_rendezvous_across_two_nodes(nemotron, monkeypatch):
+    """Multi-node launch through env://, two "nodes" on this machine: the driver's node
+    runs rank 0 (and its own local ranks), the other node's launcher starts rank 1."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)  # a free port
+    port = store.port
+    del store
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    node = subprocess.Popen([sys.executable, "-m", "hybrid_engine.parallel.worker", "--node-rank", "1",
+                             "--nproc-per-node", "1", "--device-type", "cpu"],
+                            env=dict(os.environ, **env, PYTHONPATH=os.getcwd()))
+    for name, value in {**env, "RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    try:
+        llm = _llm(nemotron.path, 2)
+        try:
+            nemotron.check(_generate(llm, nemotron.prompts[:2]))
+        finally:
+            llm.shutdown()
+        assert node.wait(timeout=60) == 0
+    finally:
+        if node.poll() is None:
+            node.kill()
