@@ -41,7 +41,7 @@ from hybrid_engine.models.loader import load_model, read_config
 from hybrid_engine.models.tensor_parallel import validate_tensor_parallel
 from hybrid_engine.models.presets import get_preset
 from hybrid_engine.parallel.channel import StepSender
-from hybrid_engine.parallel.group import ParallelGroupError, TensorParallelGroup
+from hybrid_engine.parallel.group import TensorParallelGroup
 from hybrid_engine.prompts import RequestLimits, validate_request
 from hybrid_engine.request import Request, RequestOutput, RequestStatus
 from hybrid_engine.runner import ModelRunner
@@ -142,15 +142,25 @@ class LLMEngine:
                                                            cfg.device)
             sender = StepSender(group, engine_id)
             self._finalizer = weakref.finalize(self, group.shutdown, sender.send_stop)
+            cfg = dataclasses.replace(cfg, device=str(group.device))
             try:
                 # The config as given (each rank resolves its defaults the same way), with
                 # the speculative config resolved: a caller's proposer object stays here,
                 # workers never draft.
                 spec = cfg.speculative_config
                 group.send_object(dataclasses.replace(
-                    config, speculative_config=None if spec is None else dataclasses.replace(spec, proposer=None)))
+                    config, device=cfg.device,
+                    speculative_config=None if spec is None else dataclasses.replace(spec, proposer=None)))
                 self._build(cfg, loaded, sender, engine_id)
+                group.confirm_started()
+            except Exception as error:
+                group.broken = "start-up failed"
+                # A configuration error is the driver's own (each rank would hit it): as it is.
+                startup = error if isinstance(error, ValueError) else group.startup_error(error)
+                self._finalizer()
+                raise startup from (None if startup is error else error)
             except BaseException:
+                group.broken = "start-up interrupted"
                 self._finalizer()
                 raise
         else:
@@ -454,7 +464,7 @@ class LLMEngine:
         self._counters["prefill_tokens"] += prefill_tokens
         try:
             return self.runner.launch(plan)
-        except Exception as error:
+        except BaseException as error:  # (an interrupt too: the other ranks wait for the rest)
             if self.group is not None:  # the other ranks launched it: they are out of step now
                 self.group.mark_broken(error)
             raise
@@ -556,7 +566,8 @@ class LLMEngine:
         self._inflight = None
         if self._finalizer is not None:
             self._finalizer()
-        done = [r for r in self.requests.values() if r.finished and r not in failed]
+        aborted = set(map(id, self._aborted))  # (their final outputs go out with this step's)
+        done = [r for r in self.requests.values() if r.finished and id(r) not in aborted and r not in failed]
         return [self._emit(r) for r in failed + done]
 
     def _check_alive(self) -> None:
@@ -569,6 +580,7 @@ class LLMEngine:
         to stop."""
         if self._finalizer is not None:
             self._finalizer()
+            self.dead = self.dead or "shut down"
 
     def device_op_targets(self) -> dict[str, Any]:
         """The objects a tensor-parallel worker replays the driver's device operations on

@@ -18,10 +18,9 @@ Samples come back from rank 0 only: every rank samples the same gathered logits 
 same seeds, so each keeps identical on-device samples (a launch-ahead step reads them),
 and only the driver copies them to the host.
 """
-import logging
 import pickle
 from dataclasses import astuple, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,8 +29,6 @@ import torch.distributed as dist
 from hybrid_engine.parallel.group import TensorParallelGroup
 from hybrid_engine.scheduler import SchedulerOutput
 from hybrid_engine.step import StepPlan
-
-logger = logging.getLogger(__name__)
 
 KIND_STEP, KIND_STOP = 1, 2
 
@@ -113,7 +110,7 @@ class StepSender:
             _broadcast(host_bytes, self.group)
             if ops:
                 _broadcast(torch.frombuffer(bytearray(ops), dtype=torch.uint8), self.group)
-        except Exception as error:
+        except BaseException as error:  # (an interrupt too: the workers wait for the rest)
             self.group.mark_broken(error)
             raise
 
@@ -127,8 +124,7 @@ def _broadcast(t: torch.Tensor, group: TensorParallelGroup) -> None:
     dist.broadcast(t, src=0, group=group.channel_group)
 
 
-def follow(group: TensorParallelGroup, runners: dict[int, Any], targets: dict[int, dict[str, Any]],
-           on_step: Callable[[], None] | None = None) -> None:
+def follow(group: TensorParallelGroup, runners: dict[int, Any], targets: dict[int, dict[str, Any]]) -> None:
     """Worker: run the driver's steps until it says stop.
 
     `runners[engine]` is that engine's `ModelRunner`; `targets[engine]` maps the names of
@@ -149,5 +145,3 @@ def follow(group: TensorParallelGroup, runners: dict[int, Any], targets: dict[in
                 getattr(targets[header.engine][target], op)(*args)
         runner.buffer.sync()
         runner.launch(header.plan())
-        if on_step is not None:
-            on_step()

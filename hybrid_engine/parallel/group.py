@@ -46,6 +46,7 @@ WORKER_EXIT_TIMEOUT_S = 10.0
 # How long a failed collective waits for a local worker's exit to explain it.
 DEATH_NOTICE_S = 1.0
 ENV_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")
+_JOINED_KEY, _ERROR_KEY = "hybrid_engine/joined", "hybrid_engine/error"
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -72,6 +73,7 @@ class TensorParallelGroup:
     channel_group: Any
     device: torch.device
     workers: list[subprocess.Popen] = field(default_factory=list)
+    store: Any = None  # the one-node rendezvous store (startup errors travel through it)
     broken: str | None = None  # why the group broke, once it has
     _closed: bool = False
 
@@ -98,19 +100,26 @@ class TensorParallelGroup:
                                "process group was initialized elsewhere")
         device_type = torch.device(device).type
         on_cuda = device_type == "cuda"
-        if on_cuda and torch.cuda.device_count() < world_size and not uses_env_rendezvous():
-            raise ValueError(f"tensor_parallel_size {world_size} needs {world_size} GPUs on this node; "
-                             f"{torch.cuda.device_count()} are visible")
-        workers: list[subprocess.Popen] = []
+        if on_cuda:
+            # Rank r runs on cuda:r of its node: the driver is rank 0.
+            if torch.device(device).index not in (None, 0):
+                raise ValueError(f"tensor_parallel_size > 1 puts rank r on cuda:r, the driver on cuda:0: "
+                                 f"device must be 'cuda' or 'cuda:0', got {device!r}")
+            device = "cuda:0"
+            if torch.cuda.device_count() < world_size and not uses_env_rendezvous():
+                raise ValueError(f"tensor_parallel_size {world_size} needs {world_size} GPUs on this node; "
+                                 f"{torch.cuda.device_count()} are visible")
+        store, rendezvous = None, "env://"
         if uses_env_rendezvous():
             if int(os.environ["WORLD_SIZE"]) != world_size or int(os.environ.get("RANK", "0")) != 0:
                 raise ValueError(f"env:// rendezvous: WORLD_SIZE must equal tensor_parallel_size ({world_size}) "
                                  f"and the driver's RANK must be 0, got WORLD_SIZE={os.environ['WORLD_SIZE']} "
                                  f"RANK={os.environ.get('RANK', '0')}")
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            # Ranks on this node: LOCAL_WORLD_SIZE, else one per visible GPU (one on CPU).
+            local = min(world_size, int(os.environ.get("LOCAL_WORLD_SIZE")
+                                        or (torch.cuda.device_count() if on_cuda else 1)))
             workers = [_spawn_worker(["--env", "--device-type", device_type], {"RANK": str(r), "LOCAL_RANK": str(r)})
                        for r in range(1, local)]
-            store, rendezvous = None, "env://"
         else:
             store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                                   timeout=COLLECTIVE_TIMEOUT)
@@ -120,12 +129,15 @@ class TensorParallelGroup:
                        for r in range(1, world_size)]
             rendezvous = None
         try:
+            if store is not None:
+                _wait_for_workers(store, workers)
             group = cls._join(0, world_size, expert_parallel, device, store, rendezvous)
         except BaseException:
-            for worker in workers:
-                worker.kill()
+            _stop(workers, 0.0)
+            if dist.is_initialized():
+                dist.destroy_process_group()
             raise
-        group.workers = workers
+        group.workers, group.store = workers, store
         return group
 
     @classmethod
@@ -136,8 +148,10 @@ class TensorParallelGroup:
         if store_address is not None:
             host, port = store_address.rsplit(":", 1)
             store = dist.TCPStore(host, int(port), world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+            store.set(f"{_JOINED_KEY}/{rank}", "1")
         device = f"cuda:{local_rank}" if device_type == "cuda" else "cpu"
         group = cls._join(rank, world_size, False, device, store, None if store else "env://")
+        group.store = store
         config = group.receive_object()
         group.context = ParallelContext(rank, world_size, config.enable_expert_parallel, group.context.group)
         return group, dataclasses.replace(config, device=str(group.device))
@@ -171,6 +185,27 @@ class TensorParallelGroup:
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.channel_group)
         return int(t.item())
+
+    def confirm_started(self, error: BaseException | None = None) -> None:
+        """Every rank, once its engine is built (or failed to build: `error`): a worker
+        leaves its error where the driver finds it (`startup_error`) and exits; the others
+        meet in a barrier, which fails on the driver when a worker did not make it, so
+        `LLM(...)` fails instead of its first request."""
+        if error is None:
+            dist.barrier(group=self.channel_group)
+        elif self.store is not None:
+            self.store.set(f"{_ERROR_KEY}/{self.rank}", f"{type(error).__name__}: {error}")
+
+    def startup_error(self, error: BaseException) -> RuntimeError:
+        """Driver: the error to raise when building the group's engines failed with
+        `error` -- a worker's own error message if one left it, else `error`."""
+        _stop(self.workers, 1.0)
+        for rank in range(1, self.world_size):
+            key = f"{_ERROR_KEY}/{rank}"
+            if self.store is not None and self.store.check([key]):
+                return RuntimeError(f"tensor-parallel worker rank {rank} failed to start: "
+                                    f"{self.store.get(key).decode(errors='replace')}")
+        return RuntimeError(f"tensor-parallel group failed to start: {type(error).__name__}: {error}")
 
     # ---- health and teardown --------------------------------------------------------
     def check_workers(self) -> None:
@@ -212,14 +247,37 @@ class TensorParallelGroup:
                 send_stop()
             except Exception as error:  # a worker already gone: it is killed below
                 logger.warning("could not tell the tensor-parallel workers to stop: %s", error)
-        for worker in self.workers:
-            try:
-                worker.wait(timeout=WORKER_EXIT_TIMEOUT_S if self.broken is None else 0.1)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-                worker.wait()
+        _stop(self.workers, WORKER_EXIT_TIMEOUT_S if self.broken is None else 0.1)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _stop(workers: list[subprocess.Popen], timeout: float) -> None:
+    """Wait up to `timeout` s for each worker to exit, then kill it; close its stdin (the
+    pipe whose end tells a worker its driver is gone)."""
+    for worker in workers:
+        try:
+            worker.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+        if worker.stdin is not None:
+            worker.stdin.close()
+
+
+def _wait_for_workers(store: Any, workers: list[subprocess.Popen]) -> None:
+    """Driver: wait until every worker has reached the store; a worker that exits first
+    fails the start at once (not after the rendezvous timeout)."""
+    keys = [f"{_JOINED_KEY}/{rank}" for rank in range(1, len(workers) + 1)]
+    deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
+    while not store.check(keys):
+        for rank, worker in enumerate(workers, start=1):
+            if worker.poll() is not None:
+                raise RuntimeError(f"tensor-parallel worker rank {rank} exited with code {worker.returncode} "
+                                   f"before joining (its stderr says why)")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"tensor-parallel workers did not join within {COLLECTIVE_TIMEOUT}")
+        time.sleep(0.01)
 
 
 def _spawn_worker(args: list[str], env: dict[str, str]) -> subprocess.Popen:
@@ -227,5 +285,8 @@ def _spawn_worker(args: list[str], env: dict[str, str]) -> subprocess.Popen:
     goes first on its PYTHONPATH so it imports the same code as the driver."""
     child_env = dict(os.environ, **env)
     child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))
-    return subprocess.Popen([sys.executable, "-m", "hybrid_engine.parallel.worker", *args], env=child_env)
+    # stdin is a pipe the worker watches: its end means the driver process is gone.
+    # start_new_session: a terminal's Ctrl-C reaches the driver only (which decides).
+    return subprocess.Popen([sys.executable, "-m", "hybrid_engine.parallel.worker", "--watch-stdin", *args],
+                            env=child_env, stdin=subprocess.PIPE, start_new_session=True)
 

@@ -9,28 +9,29 @@ LOCAL_RANK = i) with the env:// variables the user set (docs/parallel.md).
 A worker receives the driver's engine config, builds the same engine around its shard of
 the model (the same pool sizes, the same CUDA graphs, captured in step with the other
 ranks), then follows the driver's steps (`channel.follow`) until told to stop. It exits
-when the driver dies (its channel breaks) or on any error, which the driver sees as a
-broken group.
+when the driver's process is gone (the stdin pipe the driver holds closes), or on any
+error, which the driver sees as a broken group (or, while starting, as the error of
+`LLM(...)` itself, naming the rank).
 """
 import argparse
-import ctypes
 import logging
 import os
-import signal
 import subprocess
 import sys
+import threading
 
 import torch
 
-logger = logging.getLogger("hybrid_engine.parallel.worker")
 
+def _exit_when_stdin_closes() -> None:
+    """Exit as soon as the driver process is gone, however it went: the driver holds the
+    other end of this worker's stdin pipe, and the pipe reads EOF once it is closed."""
+    def watch() -> None:
+        while sys.stdin.buffer.read(1 << 16):
+            pass
+        os._exit(1)
 
-def _die_with_parent() -> None:
-    """Linux: get SIGKILL when the driver process exits, however it exits."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass  # not Linux: the broken channel still ends the worker
+    threading.Thread(target=watch, name="driver-watch", daemon=True).start()
 
 
 def run_rank(rank: int, world_size: int, local_rank: int, store: str | None, device_type: str) -> None:
@@ -43,7 +44,12 @@ def run_rank(rank: int, world_size: int, local_rank: int, store: str | None, dev
     if config.device.startswith("cpu"):
         # Ranks share the node's cores: one rank per core group, not all ranks on all cores.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    engine = LLMEngine(config, group=group)
+    try:
+        engine = LLMEngine(config, group=group)
+    except BaseException as error:
+        group.confirm_started(error)  # the driver raises it, naming this rank
+        raise
+    group.confirm_started()
     runners = {0: engine.runner}
     targets = {0: engine.device_op_targets()}
     if engine.draft_engine is not None:
@@ -61,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device-type", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
                    help="the driver's device type (default: cuda when available)")
     p.add_argument("--env", action="store_true", help="rendezvous through env:// (RANK, WORLD_SIZE, MASTER_ADDR, ...)")
+    p.add_argument("--watch-stdin", action="store_true", help="exit when stdin closes (the driver is gone)")
     p.add_argument("--node-rank", type=int, help="start this node's ranks of a multi-node group (env://)")
     p.add_argument("--nproc-per-node", type=int, help="ranks per node (with --node-rank)")
     args = p.parse_args(argv)
@@ -68,7 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.node_rank is not None:
         _start_node(args.node_rank, args.nproc_per_node, args.device_type)
         return
-    _die_with_parent()
+    if args.watch_stdin:
+        _exit_when_stdin_closes()
     if args.env:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         run_rank(rank, world, int(os.environ.get("LOCAL_RANK", rank)), None, args.device_type)
@@ -81,6 +89,8 @@ def _start_node(node_rank: int, nproc: int, device_type: str) -> None:
     first non-zero code."""
     if not nproc or nproc < 1:
         raise SystemExit("--node-rank needs --nproc-per-node N (N >= 1)")
+    if node_rank < 1:
+        raise SystemExit("--node-rank must be >= 1: node 0 is the driver's, which starts its own ranks")
     procs = []
     for local in range(nproc):
         env = dict(os.environ, RANK=str(node_rank * nproc + local), LOCAL_RANK=str(local),

@@ -86,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.tensor_parallel_size < 1:
         p.error(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+    if args.enable_expert_parallel and args.tensor_parallel_size == 1:
+        p.error("--enable-expert-parallel splits experts over the --tensor-parallel-size GPUs: give a size > 1")
     args.speculative_config = _speculative_config(p, args.speculative_config)
     if args.max_waiting_requests < 0:
         p.error("--max-waiting-requests must be >= 0")

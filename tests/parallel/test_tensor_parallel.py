@@ -241,3 +241,89 @@ def test_env_rendezvous_across_two_nodes(nemotron, monkeypatch):
     finally:
         if node.poll() is None:
             node.kill()
+
+
+def test_an_aborted_request_gets_one_final_output_when_the_group_breaks(nemotron):
+    llm = _llm(nemotron.path, 2, max_num_seqs=2)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(nemotron.prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    engine.step()
+    engine.abort_request("r0")
+    os.kill(engine.group.workers[0].pid, signal.SIGKILL)
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [(o.request_id, o.finish_reason) for o in engine.step() if o.finished]
+    assert sorted(finals) == [("r0", "abort"), ("r1", "error"), ("r2", "error")]
+    llm.shutdown()
+
+
+def test_an_interrupted_step_breaks_the_group_instead_of_desynchronizing_it(nemotron):
+    """A KeyboardInterrupt inside the driver's forward (between two collectives) leaves the
+    workers mid-step: the next step must fail every request, not pair collectives wrongly."""
+    llm = _llm(nemotron.path, 2)
+    layer = llm.engine.model.model.layers[3]  # an attention block: an all-reduce inside
+    forward, calls = layer.forward, [0]
+
+    def interrupted(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt
+        return forward(*args, **kwargs)
+
+    layer.forward = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _generate(llm, nemotron.prompts[:1])
+        layer.forward = forward
+        assert llm.engine.group.broken is not None
+        outputs = []
+        while llm.engine.has_unfinished_requests():
+            outputs += [o for o in llm.engine.step() if o.finished]
+        assert [o.finish_reason for o in outputs] == ["error"] and llm.engine.dead is not None
+    finally:
+        llm.shutdown()
+
+
+def test_a_worker_that_cannot_load_its_shard_fails_the_constructor_naming_it(nemotron, tmp_path):
+    """NaN in embedding rows only rank 1 holds: LLM() raises, naming rank 1 and the key."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(nemotron.path, bad)
+    weights = load_file(bad / "model.safetensors")
+    key = next(k for k in weights if k.endswith("embeddings.weight"))
+    weights[key][-1, 0] = float("nan")  # the last vocabulary row: rank 1's half
+    save_file(weights, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(RuntimeError, match=r"worker rank 1 failed to start: CheckpointError.*NaN"):
+        _llm(str(bad), 2)
+    assert not dist.is_initialized()
+
+
+def test_a_worker_that_exits_before_joining_fails_the_start_at_once(nemotron, monkeypatch):
+    from hybrid_engine.parallel import group
+
+    spawn = group._spawn_worker
+    monkeypatch.setattr(group, "_spawn_worker", lambda args, env: spawn([*args, "--no-such-flag"], env))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 exited with code 2 before joining"):
+        _llm(nemotron.path, 2)
+    assert time.monotonic() - start < 60 and not dist.is_initialized()
+
+
+def test_built_in_one_thread_used_from_another(nemotron):
+    """The workers outlive the thread that started them (a server builds its engine on a
+    thread; a notebook may too)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        llm = pool.submit(_llm, nemotron.path, 2).result()
+    try:
+        nemotron.check(_generate(llm, nemotron.prompts[:1]))
+    finally:
+        llm.shutdown()
+    with pytest.raises(RuntimeError, match="engine is dead.*shut down"):
+        _generate(llm, nemotron.prompts[:1])
