@@ -100,25 +100,35 @@ def check_tensor_parallel(cfg: EngineConfig) -> None:
         checks.append(("speculative_config.model: ", draft_engine_config(cfg, spec)))
     for prefix, model_cfg in checks:
         try:
-            validate_tensor_parallel(parse_hf_config(_resolve_model(model_cfg)[0]), cfg.tensor_parallel_size,
+            validate_tensor_parallel(parse_hf_config(_hf_config(model_cfg)), cfg.tensor_parallel_size,
                                      cfg.enable_expert_parallel)
         except ValueError as error:
             raise ValueError(f"{prefix}{error}") from None
 
 
-def _resolve_model(cfg: EngineConfig) -> tuple[dict, str | None, Any, str, int]:
-    """(hf config dict, weights path or None, tokenizer or None, display name, weight seed)."""
+def _hf_config(cfg: EngineConfig) -> dict:
+    """The HF config dict of the model `cfg.model` names (config files only: no weights,
+    no tokenizer)."""
     if cfg.model is None:
-        return EMBEDDED_CONFIG, None, build_byte_tokenizer(), EMBEDDED_MODEL_NAME, EMBEDDED_WEIGHT_SEED
+        return EMBEDDED_CONFIG
     if cfg.model.startswith(PRESET_PREFIX):
-        name = cfg.model[len(PRESET_PREFIX):]
-        if cfg.load_format != "dummy":
-            logger.info("preset %s has no weights on disk: using load_format='dummy'", name)
-        return get_preset(name), None, None, cfg.model, cfg.seed
+        return get_preset(cfg.model[len(PRESET_PREFIX):])
     if not os.path.isdir(cfg.model):
         raise ValueError(f"model must be None, 'preset:NAME' or a checkpoint directory; {cfg.model!r} is not a directory")
+    return read_config(cfg.model)
+
+
+def _resolve_model(cfg: EngineConfig) -> tuple[dict, str | None, Any, str, int]:
+    """(hf config dict, weights path or None, tokenizer or None, display name, weight seed)."""
+    hf_config = _hf_config(cfg)
+    if cfg.model is None:
+        return hf_config, None, build_byte_tokenizer(), EMBEDDED_MODEL_NAME, EMBEDDED_WEIGHT_SEED
+    if cfg.model.startswith(PRESET_PREFIX):
+        if cfg.load_format != "dummy":
+            logger.info("preset %s has no weights on disk: using load_format='dummy'", cfg.model[len(PRESET_PREFIX):])
+        return hf_config, None, None, cfg.model, cfg.seed
     path = None if cfg.load_format == "dummy" else cfg.model
-    return read_config(cfg.model), path, load_tokenizer(cfg.model), cfg.model, cfg.seed
+    return hf_config, path, load_tokenizer(cfg.model), cfg.model, cfg.seed
 
 
 class LLMEngine:
