@@ -32,6 +32,12 @@ if TYPE_CHECKING:  # (the parallel package imports the step types this module us
 
 # Debugging knob: check every fast-path step against the general path (slow; tests set it).
 CHECK_FAST_PATHS_ENV = "HYBRID_ENGINE_CHECK_FAST_PATHS"
+# An eager step with prompt tokens runs a multiple of this many tokens, per device type
+# (padding tokens after the last sequence; `_write_tail_padding`). cuBLAS chooses a GEMM
+# kernel for each new (M, N, K) it sees, which cost ~1 ms of host time per shape on the H100
+# (torch 2.11): nearly every prompt step had a token count of its own, and a mixed step of
+# the 8B preset took 43 ms to launch instead of 30 ms with a shape seen before.
+TOKEN_ALIGNMENT = {"cuda": 64}
 
 
 def sampling_row(params: SamplingParams) -> SamplingRow:
@@ -60,10 +66,13 @@ class ModelRunner:
         kv.device_ops = mamba.device_ops = self._device_ops
         self.max_seqs = mamba.max_num_seqs
         self.max_width = 1 + max_drafts  # tokens of the widest decode (verify) row
+        self.token_alignment = TOKEN_ALIGNMENT.get(device.type, 1)
         # A verify row's padding positions lie up to `max_drafts` past the context, so block
         # tables and position tables have room for them (padding never writes KV).
         self.max_blocks_per_seq = kv.blocks_for(max_model_len + max_drafts)
-        max_tokens = max_num_batched_tokens + self.max_seqs * max_drafts  # rows padded to the step's width
+        # Rows padded to the step's width, then the step to the token alignment.
+        max_tokens = max_num_batched_tokens + self.max_seqs * max_drafts
+        max_tokens = -(-max_tokens // self.token_alignment) * self.token_alignment
         self.buffer = StepBuffer(max_tokens, self.max_seqs, self.max_blocks_per_seq, mamba.num_slots, device,
                                  self.max_width)
         for layer, (k, v) in zip(model.attention_layers(), kv.kv_caches):
@@ -221,6 +230,7 @@ class ModelRunner:
         num_tokens, max_q = n_dec * width, width
         if prefills:
             num_tokens, longest = self._write_prefill_rows(prefills, n_dec, num_tokens, rows)
+            num_tokens = self._write_tail_padding(num_tokens)
             max_q = max(max_q, longest)
         h["cu_seqlens_q"][: n_dec + 1] = self._rows[: n_dec + 1] * width
         rows_np = np.array(rows, dtype=np.int64)
@@ -373,6 +383,19 @@ class ModelRunner:
         h["prefill_cu_seqlens"][: len(prefills) + 1] = cu_np - token_start
         return cu[-1], max(c.num_tokens for c in prefills)
 
+    def _write_tail_padding(self, num_tokens: int) -> int:
+        """Round a prompt step's `num_tokens` up to the token alignment with padding tokens
+        after the last sequence: they belong to no sequence, write no KV (slot -1), and
+        every op outputs zeros or unused rows for them. Returns the padded count."""
+        padded = -(-num_tokens // self.token_alignment) * self.token_alignment
+        if padded > num_tokens:
+            tokens = self.buffer.host_group("token_i64")
+            tokens[TOKEN.input_ids, num_tokens:padded] = 0
+            tokens[TOKEN.positions, num_tokens:padded] = 0
+            tokens[TOKEN.slot_mapping, num_tokens:padded] = -1
+            self.buffer.host_np["prompt_token_mask"][num_tokens:padded] = False
+        return padded
+
     def _write_padding(self, plan: StepPlan, size: int) -> None:
         """Grow a decode-only step to `size` rows with rows that touch no state (for a graph)."""
         h, lo, width = self.buffer.host_np, plan.num_seqs, plan.decode_width
@@ -462,6 +485,7 @@ class ModelRunner:
         history = prompt_len = history_len = None
         if plan.use_penalties:
             token_seq = torch.searchsorted(meta.cu_seqlens_q[1:], self._positions[: plan.num_tokens], right=True)
+            token_seq = token_seq.clamp_(max=s - 1)  # tail padding tokens: past the last sequence
             rows = d["history_rows"][:s]
             # Padding tokens (no KV slot) write the spare column, never a real position.
             column = torch.where(meta.slot_mapping >= 0, meta.positions, self._history.shape[1] - 1)

@@ -9,7 +9,8 @@ draft accepted) or another random one (drafts rejected).
 
 Public API only (`LLM`, `SamplingParams`, `engine.add_request/step/stats`), so the engine's
 internals can change under these tests. Each path asserts from `stats()` that it really
-took the path it is named for."""
+took the path it is named for. One test also pads prompt steps as on CUDA (it sets the
+runner's token alignment, the one internal it touches)."""
 from dataclasses import dataclass
 from typing import Callable
 
@@ -18,6 +19,7 @@ import torch
 
 from hybrid_engine import LLM, SamplingParams
 from hybrid_engine.models.loader import read_config
+from hybrid_engine.runner import TOKEN_ALIGNMENT, ModelRunner
 from tests.engine.engine_helpers import drive
 from tests.models.conftest import hf_greedy, make_hf_checkpoint
 from tests.spec.proposers import OracleProposer, PartialProposer
@@ -215,4 +217,32 @@ def test_scheduling_path_matches_hf(oracle, name):
     for shows in path.shows:
         assert shows(stats), f"{name} did not take its path ({shows.__name__}): {stats}"
     assert not overfull, f"step() calls over the token budget (call, tokens, launches): {overfull}"
+    _assert_matches_oracle(oracle, finals)
+
+
+PADDED_PATHS = ("budget7-async-b4", "kv-pressure-async-b4", "rejections-budget5-kv-pressure-b4",
+                "spec-partial-rejections-budget7-kv-pressure-b4", "spec-draft-other-rejections-budget7-kv-pressure-b4")
+
+
+@pytest.mark.parametrize("name", PADDED_PATHS)
+def test_padded_prompt_steps_match_hf(oracle, name, monkeypatch):
+    """On CUDA a step with prompt tokens runs a multiple of 64 tokens, padding tokens after
+    its last sequence (`runner.TOKEN_ALIGNMENT`); here the CPU pads to 8, so most prompt
+    steps (the draft model's too) carry padding. Tokens and logprobs are still HF's."""
+    monkeypatch.setitem(TOKEN_ALIGNMENT, "cpu", 8)
+    padding = []
+    pad = ModelRunner._write_tail_padding
+
+    def recording_pad(runner, num_tokens):
+        padded = pad(runner, num_tokens)
+        padding.append(padded - num_tokens)
+        return padded
+
+    monkeypatch.setattr(ModelRunner, "_write_tail_padding", recording_pad)
+    path = PATHS[name]
+    finals, stats, overfull = _run(oracle, path)
+    for shows in path.shows:
+        assert shows(stats), f"{name} did not take its path ({shows.__name__}): {stats}"
+    assert sum(p > 0 for p in padding) >= 3 and max(padding) < 8
+    assert not overfull  # the budget counts scheduled tokens, not padding
     _assert_matches_oracle(oracle, finals)
