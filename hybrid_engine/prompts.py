@@ -53,7 +53,8 @@ def encode_prompt(prompt: Prompt, tokenizer: Any | None, field: str = "prompt", 
         except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800"): no UTF-8 text a tokenizer could read
             raise ParameterError(field, f"{field} is not valid Unicode text: {exc.reason} at index {exc.start}") from None
         return tokenizer.encode(prompt, add_special_tokens=add_special_tokens, split_special_tokens=split_special_tokens)
-    if isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
+    # (The set of element types first: C speed for the usual all-int list of thousands.)
+    if isinstance(prompt, (list, tuple)) and (set(map(type, prompt)) <= {int} or all(is_int(t) for t in prompt)):
         return list(prompt)
     raise ParameterError(field, f"{field} must be a string or a list of token ids (ints)")
 
@@ -62,8 +63,8 @@ def check_prompt(token_ids: list[int], limits: RequestLimits, field: str = "prom
     """The prompt is non-empty, in the vocabulary, and leaves room for one generated token."""
     if not token_ids:
         raise ParameterError(field, f"{field} must not be empty")
-    bad = next((t for t in token_ids if not 0 <= t < limits.vocab_size), None)
-    if bad is not None:
+    if min(token_ids) < 0 or max(token_ids) >= limits.vocab_size:
+        bad = next(t for t in token_ids if not 0 <= t < limits.vocab_size)
         raise ParameterError(field, f"{field}: token id {bad} is out of vocabulary (vocab_size {limits.vocab_size})")
     if len(token_ids) >= limits.max_request_tokens:
         raise ContextLengthExceeded(field, f"{field} has {len(token_ids)} tokens; {limits.bound_text()} must also hold "
