@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_floors import StepFloors, copy_bandwidth, measure_distinct_experts, step_floors  # noqa: E402
 from step_kernels import report_kernel_counts  # noqa: E402
-from step_probe import StepProbe, probe_decode, random_prompts  # noqa: E402
+from step_probe import StepProbe, percentile, probe_decode, random_prompts  # noqa: E402
 
 from hybrid_engine import LLM, SamplingParams  # noqa: E402
 from hybrid_engine.models.loader import read_config  # noqa: E402
@@ -97,14 +97,11 @@ def run_batch(llm: LLM, batch: int, prompt_len: int, output_len: int) -> dict:
                 ttft.append(now - start)
             last_token_time[o.request_id] = now
     wall = time.perf_counter() - start
-    gaps.sort()
-    ttft.sort()
     # TTFT: every request is added at `start`; all_first_token_s: until the last request got
     # its first token (every prompt prefilled).
-    return dict(tok_s=tokens / wall, itl_mean_ms=1e3 * statistics.fmean(gaps), itl_p50_ms=1e3 * gaps[len(gaps) // 2],
-                itl_p99_ms=1e3 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))], wall_s=wall,
-                ttft_p50_ms=1e3 * ttft[len(ttft) // 2], ttft_p99_ms=1e3 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
-                all_first_token_s=ttft[-1])
+    return dict(tok_s=tokens / wall, itl_mean_ms=1e3 * statistics.fmean(gaps), itl_p50_ms=1e3 * percentile(gaps, 0.5),
+                itl_p99_ms=1e3 * percentile(gaps, 0.99), wall_s=wall, ttft_p50_ms=1e3 * percentile(ttft, 0.5),
+                ttft_p99_ms=1e3 * percentile(ttft, 0.99), all_first_token_s=max(ttft))
 
 
 def run_hf_generate(hf_config: dict, batch: int, prompt_len: int, output_len: int) -> dict:
@@ -173,7 +170,8 @@ def time_modes(args: argparse.Namespace, model: str, bandwidth: float) -> list[d
                        f"{row['distinct_experts_mean']:.1f} (analytic {row['analytic_distinct_experts']:.1f})  "
                        f"step/active floor {row['vs_active_floor']:.2f}x")
             print(f"{mode:14s} B={batch:4d} {r['tok_s']:9.0f} tok/s  itl mean/p50/p99 {r['itl_mean_ms']:.2f}/"
-                  f"{r['itl_p50_ms']:.2f}/{r['itl_p99_ms']:.2f} ms  ttft p50/p99 {r['ttft_p50_ms']:.0f}/{r['ttft_p99_ms']:.0f} ms  idle {probe['gpu_idle']:.1%}  gpu busy "
+                  f"{r['itl_p50_ms']:.2f}/{r['itl_p99_ms']:.2f} ms  ttft p50/p99 {r['ttft_p50_ms']:.0f}/"
+                  f"{r['ttft_p99_ms']:.0f} ms  idle {probe['gpu_idle']:.1%}  gpu busy "
                   f"{probe['gpu_busy_ms_per_step']:.3f} ms/step  largest gaps {probe['largest_gaps_ms']} ms  prefill "
                   f"{r['all_first_token_s']:.3f} s  step/floor {row['vs_roofline']:.2f}x{moe}  host us/step: {host}",
                   flush=True)

@@ -40,7 +40,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_probe import checked_step  # noqa: E402
+from step_probe import checked_step, percentile  # noqa: E402
 
 from hybrid_engine import LLM, SamplingParams  # noqa: E402
 
@@ -145,12 +145,6 @@ def run_workload(engine, conversations: list[Conversation], answer_len: int,
     stats = {k: after[k] - before[k] for k in COUNTERS}
     stats["prefix_cache_checkpoints"] = after["prefix_cache_checkpoints"]
     return list(records.values()), wall, stats
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 1]) of a non-empty list."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def summarize(records: list[TurnRecord], wall: float, stats: dict, system_len: int) -> dict:

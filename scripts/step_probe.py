@@ -17,6 +17,12 @@ def random_prompts(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
 
 
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 1]) of a non-empty list."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def checked_step(engine) -> list:
     """`engine.step()`, raising if the step failed (the engine turns errors into finishes)."""
     outs = engine.step()

@@ -51,3 +51,23 @@ def test_padding_tokens_write_no_kv_and_are_not_prompt(make_llm, monkeypatch):
     assert not tokens[TOKEN.input_ids, 3:8].any() and not tokens[TOKEN.positions, 3:8].any()
     assert not h["prompt_token_mask"][3:8].any() and h["prompt_token_mask"][:3].all()
     assert (tokens[:, 8:16] == 7).all()  # nothing past the padded count
+
+
+def _two_turns(make_llm) -> tuple[list[list[int]], int]:
+    """A conversation's second turn resends the first prompt + answer + a new message: it
+    resumes from the prefix cache (blocks and a Mamba checkpoint) and prefills the rest in
+    padded chunks. Returns both turns' tokens and the prompt tokens served from the cache."""
+    llm = make_llm(max_num_batched_tokens=6, max_num_seqs=2, kv_block_size=4, seed=1)
+    first = byte_prompt(21, salt=4)
+    params = seeded(7, seed=9, **PENALTIES)
+    answer = llm.generate([first], params, use_tqdm=False)[0].output_token_ids
+    second = llm.generate([first + answer + byte_prompt(5, salt=8)], params, use_tqdm=False)[0]
+    return [answer, second.output_token_ids], second.num_cached_tokens
+
+
+def test_padding_with_prefix_cache_hits(make_llm, monkeypatch):
+    unpadded, hits = _two_turns(make_llm)
+    monkeypatch.setitem(TOKEN_ALIGNMENT, "cpu", 8)
+    padded, padded_hits = _two_turns(make_llm)
+    assert hits >= 20 and padded_hits == hits
+    assert padded == unpadded

@@ -34,7 +34,7 @@ def causal_conv1d_varlen(
     cu_seqlens: [S+1]; src_slots / dst_slots: [S]. Returns y: [T, D] in x's dtype.
     """
     k = weight.shape[1]
-    out = torch.empty_like(x)
+    out = torch.zeros_like(x)  # padding sequences and tokens past cu_seqlens[-1] stay zero
     bounds = cu_seqlens.tolist()
     src, dst = src_slots.tolist(), dst_slots.tolist()
     new_states = []

@@ -83,7 +83,7 @@ def ssd_chunk_scan_varlen(
     """
     heads = x.shape[1]
     rep = heads // B.shape[1]
-    out = torch.empty_like(x)
+    out = torch.zeros_like(x)  # padding sequences and tokens past cu_seqlens[-1] stay zero
     bounds = cu_seqlens.tolist()
     src, dst = src_slots.tolist(), dst_slots.tolist()
     finals = []
