@@ -71,8 +71,7 @@ class ModelRunner:
         # tables and position tables have room for them (padding never writes KV).
         self.max_blocks_per_seq = kv.blocks_for(max_model_len + max_drafts)
         # Rows padded to the step's width, then the step to the token alignment.
-        max_tokens = max_num_batched_tokens + self.max_seqs * max_drafts
-        max_tokens = -(-max_tokens // self.token_alignment) * self.token_alignment
+        max_tokens = self._aligned(max_num_batched_tokens + self.max_seqs * max_drafts)
         self.buffer = StepBuffer(max_tokens, self.max_seqs, self.max_blocks_per_seq, mamba.num_slots, device,
                                  self.max_width)
         for layer, (k, v) in zip(model.attention_layers(), kv.kv_caches):
@@ -387,23 +386,27 @@ class ModelRunner:
         """Round a prompt step's `num_tokens` up to the token alignment with padding tokens
         after the last sequence: they belong to no sequence, write no KV (slot -1), and
         every op outputs zeros or unused rows for them. Returns the padded count."""
-        padded = -(-num_tokens // self.token_alignment) * self.token_alignment
-        if padded > num_tokens:
-            tokens = self.buffer.host_group("token_i64")
-            tokens[TOKEN.input_ids, num_tokens:padded] = 0
-            tokens[TOKEN.positions, num_tokens:padded] = 0
-            tokens[TOKEN.slot_mapping, num_tokens:padded] = -1
-            self.buffer.host_np["prompt_token_mask"][num_tokens:padded] = False
+        padded = self._aligned(num_tokens)
+        self._write_padding_tokens(num_tokens, padded)
         return padded
+
+    def _aligned(self, num_tokens: int) -> int:
+        """`num_tokens` rounded up to the token alignment."""
+        return -(-num_tokens // self.token_alignment) * self.token_alignment
+
+    def _write_padding_tokens(self, t0: int, t1: int) -> None:
+        """Tokens [t0, t1) as padding: id 0, position 0, no KV written, not prompt tokens."""
+        tokens = self.buffer.host_group("token_i64")
+        tokens[TOKEN.input_ids, t0:t1] = 0
+        tokens[TOKEN.positions, t0:t1] = 0
+        tokens[TOKEN.slot_mapping, t0:t1] = -1  # write no KV
+        self.buffer.host_np["prompt_token_mask"][t0:t1] = False
 
     def _write_padding(self, plan: StepPlan, size: int) -> None:
         """Grow a decode-only step to `size` rows with rows that touch no state (for a graph)."""
         h, lo, width = self.buffer.host_np, plan.num_seqs, plan.decode_width
         if size > lo:
-            tokens, t0, t1 = self.buffer.host_group("token_i64"), lo * width, size * width
-            tokens[TOKEN.input_ids, t0:t1] = 0
-            tokens[TOKEN.positions, t0:t1] = 0
-            tokens[TOKEN.slot_mapping, t0:t1] = -1  # write no KV
+            self._write_padding_tokens(lo * width, size * width)
             h["verify_dst"][:width, lo:size] = -1
             seq = self.buffer.host_group("seq_i64")
             seq[:, lo:size] = 0  # seeds, output_pos, history rows / lens, prompt_lens
@@ -412,7 +415,6 @@ class ModelRunner:
             seq[SEQ.input_from_prev, lo:size] = -1  # keep the host ids
             seq[SEQ.logits_indices, lo:size] = self._rows[lo:size] * width
             self.buffer.host_group("sampling_f32")[:, lo:size] = self._neutral_sampling
-            h["prompt_token_mask"][t0:t1] = False
             h["cu_seqlens_q"][lo + 1:size + 1] = self._rows[lo + 1:size + 1] * width
             # A padding verify row has `width` queries: it attends to `width` keys of block 0
             # (read only; its outputs are never used).
