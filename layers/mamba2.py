@@ -15,7 +15,6 @@ them (`gated_rms_norm_across_ranks`). `num_heads`, `n_groups`, `d_ssm`, `conv_di
 state slots) are this rank's.
 """
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from layers.forward_meta import ForwardMeta
@@ -94,13 +93,6 @@ class Mamba2Mixer(nn.Module):
         self.conv_state: torch.Tensor | None = None  # [slots, conv_dim, K-1]
         self.ssm_state: torch.Tensor | None = None  # [slots, heads, head_dim, state] (mamba_ssm_cache_dtype)
 
-    def _process_dt(self, dt: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
-        dt = F.softplus(dt.float() + self.dt_bias.float())
-        lo, hi = self.dt_limit
-        if lo > 0.0 or hi != float("inf"):
-            dt = torch.where(prompt_mask[:, None], dt.clamp(lo, hi), dt)
-        return dt
-
     def _a(self) -> torch.Tensor:
         """A = -exp(A_log) in float32, recomputed only when A_log changes (it is fixed after
         loading), so a decode step (or its CUDA graph) carries no kernels for it."""
@@ -126,8 +118,8 @@ class Mamba2Mixer(nn.Module):
             cu = meta.prefill_cu_seqlens
             xbc_p = kernels.causal_conv1d_varlen(xbc[nd:], weight, self.conv1d.bias, self.conv_state, cu, src, dst)
             xs, b, c = self._split_xbc(xbc_p)
-            dt_p = self._process_dt(dt[nd:], meta.prompt_token_mask[nd:])
-            ys.append(kernels.ssd_chunk_scan_varlen(xs, dt_p, a, b, c, self.D, cu, self.ssm_state, src, dst))
+            ys.append(kernels.ssd_chunk_scan_varlen(xs, dt[nd:], a, b, c, self.D, cu, self.ssm_state, src, dst,
+                                                    self.dt_bias, self.dt_limit, meta.prompt_token_mask[nd:]))
         y = torch.cat(ys) if len(ys) > 1 else ys[0]
         y = y.reshape(x.shape[0], self.d_ssm)
         if self.norm_spans_ranks:

@@ -16,6 +16,7 @@ Conventions shared by the ops:
   float32, rounded once when stored), conv state [slots, D, K-1] (the last K-1 inputs,
   oldest first).
 """
+import math
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -58,11 +59,17 @@ class KernelOps(Protocol):
 
     def ssd_chunk_scan_varlen(self, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                               C: torch.Tensor, D: torch.Tensor, cu_seqlens: torch.Tensor, ssm_states: torch.Tensor,
-                              src_slots: torch.Tensor, dst_slots: torch.Tensor) -> torch.Tensor:
+                              src_slots: torch.Tensor, dst_slots: torch.Tensor, dt_bias: torch.Tensor | None = None,
+                              dt_limit: tuple[float, float] = (0.0, math.inf),
+                              dt_limit_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Mamba-2 SSD scan over packed prefill chunks (how it blocks the scan is each
-        implementation's choice: the result does not depend on it). x: [T, H, P]; dt: [T, H]
-        float32, already processed (softplus, dt limit); A, D: [H]; B, C: [T, G, N].
-        Returns y: [T, H, P] in x's dtype (D skip included, gate not applied)."""
+        implementation's choice: the result does not depend on it). x: [T, H, P]; A, D: [H];
+        B, C: [T, G, N]. dt: [T, H] (any row stride) as the scan uses it, float32, or raw
+        when `dt_bias` [H] is given: softplus(dt + dt_bias) in float32 is applied inside.
+        Then the tokens where `dt_limit_mask` [T] bool is True (all tokens when None) are
+        clamped to `dt_limit` (the default (0, inf): no clamp); see
+        `layers.kernels.reference.ssd.process_dt`. Returns y: [T, H, P] in x's dtype (D
+        skip included, gate not applied)."""
 
     def ssm_state_update(self, ssm_states: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
                          B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, src_slots: torch.Tensor,

@@ -145,7 +145,9 @@ def _varlen_plan(lens: list[int], padded: list[bool], in_place: bool, extra_toke
     return src, dst, valid, num_slots, cu, tokens, tok_valid
 
 
-VARLEN_CASES = [([1], [False]), ([2, 5, 1], [False, True, False]), ([37, 3, 130, 64], [False, False, False, True])]
+VARLEN_CASES = [([1], [False]), ([2, 5, 1], [False, True, False]), ([37, 3, 130, 64], [False, False, False, True]),
+                # enough sequences for several halvings of the kernels' token -> sequence search
+                ([1, 4, 2, 1, 7, 3, 1, 1, 5, 2, 33], [False] * 9 + [True, False])]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -211,23 +213,46 @@ def test_ssm_state_update(dtype: torch.dtype, batch: int, in_place: bool, shape:
     check_pool(states, expected_states, dst[valid], 1e-5)
 
 
+# How the SSD receives dt: processed; raw with dt_bias (softplus inside); raw with a dt
+# limit on the masked tokens (the model's prompt tokens), or on every token.
+DT_FORMS = ["processed", "raw", "raw+masked limit", "raw+limit"]
+
+
+def _ssd_dt_args(form: str, tokens: int, heads: int, dtype: torch.dtype) -> tuple[torch.Tensor, dict]:
+    """A raw dt ([T, H] model dtype, a row-strided slice like the model's in_proj split)
+    and the keyword arguments of `form`."""
+    dt = randn(tokens, heads + 3, dtype=dtype, scale=3.0)[:, :heads]  # spans softplus' linear and log ranges
+    kwargs = dict(dt_bias=randn(heads))
+    if "limit" in form:
+        kwargs["dt_limit"] = (0.3, 2.0)  # clamps a good share of softplus(N(0, 9)) from both sides
+    if "masked" in form:
+        kwargs["dt_limit_mask"] = torch.rand(tokens, device=DEVICE) < 0.5
+    return dt, kwargs
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lens,padded", VARLEN_CASES)
 @pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("shape", SSD_SHAPES)
+@pytest.mark.parametrize("dt_form", DT_FORMS)
 def test_ssd_chunk_scan_varlen(dtype: torch.dtype, lens: list[int], padded: list[bool], in_place: bool,
-                               shape: tuple[int, int, int, int]) -> None:
+                               shape: tuple[int, int, int, int], dt_form: str) -> None:
     from layers.kernels.triton import ssd
 
     heads, head_dim, groups, state = shape
+    if dt_form != "processed" and (in_place or shape != SSD_SHAPES[0]):
+        pytest.skip("the dt forms are independent of the slot plan and the shape")
     src, dst, valid, num_slots, cu, tokens, tok_valid = _varlen_plan(lens, padded, in_place, extra_tokens=2)
     states = randn(num_slots, heads, head_dim, state, scale=0.5)
     if not in_place:
         states[dst[valid]] = float("nan")
     x, dt, a, b, c, d_skip = _ssm_inputs(tokens, heads, head_dim, groups, state, dtype)
+    kwargs = {}
+    if dt_form != "processed":
+        dt, kwargs = _ssd_dt_args(dt_form, tokens, heads, dtype)
     expected_states = states.clone()
-    expected = ref.ssd_chunk_scan_varlen(x, dt, a, b, c, d_skip, cu, expected_states, src, dst)
-    out = ssd.ssd_chunk_scan_varlen(x, dt, a, b, c, d_skip, cu, states, src, dst)
+    expected = ref.ssd_chunk_scan_varlen(x, dt, a, b, c, d_skip, cu, expected_states, src, dst, **kwargs)
+    out = ssd.ssd_chunk_scan_varlen(x, dt, a, b, c, d_skip, cu, states, src, dst, **kwargs)
     assert_close(out[tok_valid], expected[tok_valid], TOL[dtype])
     assert (out[~tok_valid] == 0).all()
     check_pool(states, expected_states, dst[valid], TOL[dtype])

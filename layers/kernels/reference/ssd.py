@@ -1,14 +1,16 @@
 """Mamba-2 SSD (state space duality) scan and single-token state update (reference).
 
 Shapes: H heads of P channels, G groups of B/C of state size N (heads share B/C within a
-group), SSM state [H, P, N] kept in float32. `dt` arrives already processed
-(softplus(dt + dt_bias), clamped for prompt tokens) so the clamping policy stays with the
-model and the kernels stay policy-free.
+group), SSM state [H, P, N] kept in float32. `dt` arrives either processed, or raw with
+`dt_bias` (the ops apply softplus(dt + dt_bias), and the scan clamps the tokens the model
+marks in `dt_limit_mask` to `dt_limit`: which tokens get the limit stays the model's choice).
 
 Recurrence per head h (what both forms compute):
     state_t = exp(dt_t * A_h) * state_{t-1} + dt_t * x_t (outer) B_t
     y_t     = state_t . C_t + D_h * x_t
 """
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -62,6 +64,21 @@ def _ssd_one_sequence(
     return y, final_state
 
 
+def process_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_limit: tuple[float, float] = (0.0, math.inf),
+               dt_limit_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """dt as the scan uses it, in float32: softplus(dt + dt_bias) when `dt_bias` is given
+    (else dt as it is), then clamped to `dt_limit` at the tokens where `dt_limit_mask` [T]
+    is True (every token when it is None; no clamp for the default (0, inf))."""
+    dt = dt.float()
+    if dt_bias is not None:
+        dt = F.softplus(dt + dt_bias.float())
+    lo, hi = dt_limit
+    if lo > 0.0 or hi != math.inf:
+        clamped = dt.clamp(lo, hi)
+        dt = clamped if dt_limit_mask is None else torch.where(dt_limit_mask[:, None], clamped, dt)
+    return dt
+
+
 def ssd_chunk_scan_varlen(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -73,16 +90,21 @@ def ssd_chunk_scan_varlen(
     ssm_states: torch.Tensor,
     src_slots: torch.Tensor,
     dst_slots: torch.Tensor,
+    dt_bias: torch.Tensor | None = None,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    dt_limit_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Chunked SSD over packed variable-length sequences (prefill chunks), in blocks of `CHUNK`.
 
-    x: [T, H, P]; dt: [T, H] float32 (processed); A, D: [H]; B, C: [T, G, N];
-    cu_seqlens: [S+1]; ssm_states: [slots, H, P, N] float32; each sequence starts from
+    x: [T, H, P]; dt: [T, H], used as `process_dt(dt, dt_bias, dt_limit, dt_limit_mask)`;
+    A, D: [H]; B, C: [T, G, N]; cu_seqlens: [S+1]; ssm_states: [slots, H, P, N] float32;
+    each sequence starts from
     `ssm_states[src_slots[s]]` and its final state goes to `ssm_states[dst_slots[s]]`.
     Returns y: [T, H, P] in x's dtype (D skip included, gate not applied).
     """
     heads = x.shape[1]
     rep = heads // B.shape[1]
+    dt = process_dt(dt, dt_bias, dt_limit, dt_limit_mask)
     out = torch.zeros_like(x)  # padding sequences and tokens past cu_seqlens[-1] stay zero
     bounds = cu_seqlens.tolist()
     src, dst = src_slots.tolist(), dst_slots.tolist()
@@ -94,7 +116,7 @@ def ssd_chunk_scan_varlen(
         xs = x[lo:hi].float()
         bs = B[lo:hi].float().repeat_interleave(rep, dim=1)
         cs = C[lo:hi].float().repeat_interleave(rep, dim=1)
-        y, final = _ssd_one_sequence(xs, dt[lo:hi].float(), A.float(), bs, cs, ssm_states[src[s]].float())
+        y, final = _ssd_one_sequence(xs, dt[lo:hi], A.float(), bs, cs, ssm_states[src[s]].float())
         out[lo:hi] = (y + D.float()[:, None] * xs).to(x.dtype)
         finals.append((dst[s], final))
     for slot, state in finals:  # after all reads: a dst may be another row's src
@@ -125,9 +147,7 @@ def ssm_state_update(
     heads = x.shape[1]
     rep = heads // B.shape[1]
     state = ssm_states[src_slots.clamp(min=0)].float()  # [B, H, P, N]
-    xf, dtf = x.float(), dt.float()
-    if dt_bias is not None:
-        dtf = F.softplus(dtf + dt_bias.float())
+    xf, dtf = x.float(), process_dt(dt, dt_bias)
     bh = B.float().repeat_interleave(rep, dim=1)  # [B, H, N]
     ch = C.float().repeat_interleave(rep, dim=1)
     decay = torch.exp(dtf * A.float())[..., None, None]

@@ -8,7 +8,6 @@ import torch
 import triton
 import triton.language as tl
 
-from layers.kernels.triton.slots import scatter_slots, token_to_seq
 
 
 def _check_activation(activation: str | None) -> bool:
@@ -24,10 +23,27 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_seqs"])  # per-step sizes: no recompiles
+@triton.jit
+def _sequence_of(cu_ptr, t, num_seqs, search_steps):
+    """The sequence holding each packed token t: the number of sequence ends <= t (num_seqs
+    for tokens past the last one), by a binary search over cu_seqlens[1:] in
+    `search_steps` = num_seqs.bit_length() halvings. Done in the kernel, so the step needs
+    no token -> sequence tensor of its own."""
+    lo = tl.zeros_like(t)
+    hi = lo + num_seqs
+    for _ in range(search_steps):
+        mid = (lo + hi) // 2
+        open_range = lo < hi
+        right = tl.load(cu_ptr + mid + 1, mask=open_range, other=0) <= t
+        lo = tl.where(open_range & right, mid + 1, lo)
+        hi = tl.where(open_range & ~right, mid, hi)
+    return lo
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_seqs", "search_steps"])  # per-step sizes: no recompiles
 def _conv_varlen_kernel(
-    x_ptr, w_ptr, bias_ptr, states_ptr, y_ptr, cu_ptr, tok_seq_ptr, src_ptr,
-    num_tokens, dim, num_seqs,
+    x_ptr, w_ptr, bias_ptr, states_ptr, y_ptr, cu_ptr, src_ptr,
+    num_tokens, dim, num_seqs, search_steps,
     stride_xt, stride_wd, stride_slot, stride_sd, stride_sk, stride_yt,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
 ):
@@ -35,7 +51,7 @@ def _conv_varlen_kernel(
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     t_in = t < num_tokens
     d_in = d < dim
-    seq = tl.load(tok_seq_ptr + t, mask=t_in, other=num_seqs)
+    seq = tl.where(t_in, _sequence_of(cu_ptr, t, num_seqs, search_steps), num_seqs)
     in_seq = t_in & (seq < num_seqs)
     start = tl.load(cu_ptr + seq, mask=in_seq, other=0)
     src = tl.load(src_ptr + seq, mask=in_seq, other=-1)
@@ -68,13 +84,17 @@ def _conv_varlen_kernel(
 
 @triton.jit
 def _conv_final_state_kernel(
-    x_ptr, states_ptr, out_ptr, cu_ptr, src_ptr, dim,
+    x_ptr, states_ptr, cu_ptr, src_ptr, dst_ptr, dim,
     stride_xt, stride_slot, stride_sd, stride_sk,
     K: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
 ):
+    # A launch after the conv kernel, whose programs read the src slots: it may then write
+    # the dst slots directly (a program reads its own src values before it writes, and no
+    # sequence's dst is another's src: the op contract).
     seq = tl.program_id(0)
     src = tl.load(src_ptr + seq)
-    if src < 0:
+    dst = tl.load(dst_ptr + seq)
+    if (src < 0) | (dst < 0):
         return
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     d_in = d < dim
@@ -89,8 +109,8 @@ def _conv_final_state_kernel(
                  mask=d_in[:, None] & (col_in & (p >= 0))[None, :], other=0.0).to(tl.float32)
     sv = tl.load(states_ptr + src.to(tl.int64) * stride_slot + d[:, None] * stride_sd + (p + K - 1)[None, :] * stride_sk,
                  mask=d_in[:, None] & (col_in & (p < 0))[None, :], other=0.0).to(tl.float32)
-    out = out_ptr + seq.to(tl.int64) * dim * (K - 1) + d[:, None] * (K - 1) + c[None, :]
-    tl.store(out, (xv + sv).to(out_ptr.dtype.element_ty), mask=d_in[:, None] & col_in[None, :])
+    out = states_ptr + dst.to(tl.int64) * stride_slot + d[:, None] * stride_sd + c[None, :] * stride_sk
+    tl.store(out, (xv + sv).to(states_ptr.dtype.element_ty), mask=d_in[:, None] & col_in[None, :])
 
 
 def causal_conv1d_varlen(
@@ -117,23 +137,20 @@ def causal_conv1d_varlen(
     if num_tokens == 0:
         return y
     x, weight = _unit_last_stride(x), _unit_last_stride(weight)
-    tok_seq = token_to_seq(cu_seqlens, num_tokens)
     bt, bd = 32, 128
     grid = (triton.cdiv(num_tokens, bt), triton.cdiv(dim, bd))
     _conv_varlen_kernel[grid](
-        x, weight, bias if bias is not None else weight, conv_states, y, cu_seqlens, tok_seq, src_slots,
-        num_tokens, dim, num_seqs,
+        x, weight, bias if bias is not None else weight, conv_states, y, cu_seqlens, src_slots,
+        num_tokens, dim, num_seqs, num_seqs.bit_length(),
         x.stride(0), weight.stride(0), conv_states.stride(0), conv_states.stride(1), conv_states.stride(2), y.stride(0),
         K=k, HAS_BIAS=bias is not None, SILU=silu, BT=bt, BD=bd, num_warps=4,
     )
     if num_seqs:
-        final = torch.empty((num_seqs, dim, k - 1), dtype=conv_states.dtype, device=x.device)
         _conv_final_state_kernel[(num_seqs, triton.cdiv(dim, bd))](
-            x, conv_states, final, cu_seqlens, src_slots, dim,
+            x, conv_states, cu_seqlens, src_slots, dst_slots, dim,
             x.stride(0), conv_states.stride(0), conv_states.stride(1), conv_states.stride(2),
             K=k, BK=triton.next_power_of_2(k - 1), BD=bd, num_warps=4,
         )
-        scatter_slots(conv_states, final, src_slots, dst_slots)
     return y
 
 

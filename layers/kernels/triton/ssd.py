@@ -15,6 +15,8 @@ and a prefill step stays asynchronous. Parallelism is sequences x heads x channe
 with the chunks of one sequence sequential: short prompts in a batch fill the GPU, a
 single very long prompt uses H x (P / block) programs.
 """
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -24,6 +26,7 @@ import triton.language as tl
 # against chunks 32/64/128, blocks 16/32/64, 4/8 warps: whole heads per program (B and C
 # are read once per head, not per channel block) with 32-token chunks won.
 from layers.kernels.reference.ssd import CHUNK
+from layers.kernels.triton.ssm_update import softplus
 
 BLOCK_P = 64  # head channels per program: the state tile is BLOCK_P x state_size float32
 NUM_WARPS = 4
@@ -31,11 +34,12 @@ NUM_WARPS = 4
 
 @triton.jit(do_not_specialize=["num_seqs", "num_tokens"])  # per-step sizes: no recompiles
 def _ssd_varlen_kernel(
-    x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, cu_ptr, states_ptr, src_ptr, dst_ptr, y_ptr,
-    num_seqs, num_tokens, head_dim, state_size, heads_per_group,
+    x_ptr, dt_ptr, dt_bias_ptr, limit_mask_ptr, a_ptr, b_ptr, c_ptr, d_ptr, cu_ptr, states_ptr, src_ptr, dst_ptr,
+    y_ptr, num_seqs, num_tokens, head_dim, state_size, heads_per_group, dt_min, dt_max,
     stride_xt, stride_xh, stride_dtt, stride_bt, stride_bg, stride_ct, stride_cg,
     stride_ss, stride_sh, stride_sp, stride_yt, stride_yh,
     CHUNK: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr, HAS_LIMIT_MASK: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -58,6 +62,9 @@ def _ssd_varlen_kernel(
     state_mask = p_in[:, None] & n_in[None, :]
     state = tl.load(states_ptr + src * stride_ss + state_offs, mask=valid & state_mask, other=0.0).to(tl.float32)
     a = tl.load(a_ptr + head).to(tl.float32)
+    dt_bias = 0.0
+    if HAS_DT_BIAS:
+        dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
     d_skip = tl.load(d_ptr + head).to(tl.float32)
     causal = l[:, None] >= l[None, :]
     dot_type = x_ptr.dtype.element_ty  # bf16/fp16 run on tensor cores as is; fp32 in IEEE
@@ -67,6 +74,14 @@ def _ssd_varlen_kernel(
         t = chunk_start + l
         t_in = t < end
         dt = tl.load(dt_ptr + t * stride_dtt + head, mask=t_in, other=0.0).to(tl.float32)
+        if HAS_DT_BIAS:  # raw dt: softplus(dt + dt_bias) here, not in separate elementwise kernels
+            dt = softplus(dt + dt_bias)
+        if HAS_DT_LIMIT:
+            limited = t_in
+            if HAS_LIMIT_MASK:
+                limited = tl.load(limit_mask_ptr + t, mask=t_in, other=0) != 0
+            dt = tl.where(limited, tl.minimum(tl.maximum(dt, dt_min), dt_max), dt)
+        dt = tl.where(t_in, dt, 0.0)
         da = dt * a  # tokens past the end have dt 0: no decay, no input
         cum = tl.cumsum(da, axis=0)
         total = tl.sum(da, axis=0)
@@ -108,11 +123,15 @@ def ssd_chunk_scan_varlen(
     ssm_states: torch.Tensor,
     src_slots: torch.Tensor,
     dst_slots: torch.Tensor,
+    dt_bias: torch.Tensor | None = None,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    dt_limit_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Chunked SSD over packed variable-length sequences (prefill chunks).
 
-    x: [T, H, P]; dt: [T, H] float32 (processed); A, D: [H]; B, C: [T, G, N]; cu_seqlens:
-    [S+1]; ssm_states: [slots, H, P, N] float32, read at src_slots[s] and written at
+    x: [T, H, P]; dt: [T, H] (any row stride; with `dt_bias` the raw projection, see
+    `KernelOps.ssd_chunk_scan_varlen`); A, D: [H]; B, C: [T, G, N]; cu_seqlens: [S+1];
+    ssm_states: [slots, H, P, N] float32, read at src_slots[s] and written at
     dst_slots[s]. Returns y: [T, H, P] in x's dtype (D skip included); rows of padding
     sequences (src -1) and tokens past cu_seqlens[-1] are zeros.
 
@@ -134,12 +153,16 @@ def ssd_chunk_scan_varlen(
     num_seqs = src_slots.shape[0]
     block_p = min(BLOCK_P, triton.next_power_of_2(head_dim))
     grid = (num_seqs + 1, heads, triton.cdiv(head_dim, block_p))
+    dt_min, dt_max = dt_limit
+    has_limit = dt_min > 0.0 or dt_max != math.inf
     _ssd_varlen_kernel[grid](
-        x, dt, A, B, C, D, cu_seqlens, ssm_states, src_slots, dst_slots, y,
-        num_seqs, num_tokens, head_dim, state_size, heads // groups,
+        x, dt, dt_bias if dt_bias is not None else A, dt_limit_mask if dt_limit_mask is not None else dt,
+        A, B, C, D, cu_seqlens, ssm_states, src_slots, dst_slots, y,
+        num_seqs, num_tokens, head_dim, state_size, heads // groups, float(dt_min), float(dt_max),
         x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
         ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), y.stride(0), y.stride(1),
         CHUNK=CHUNK, BP=block_p, BN=max(16, triton.next_power_of_2(state_size)),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS,
+        HAS_DT_BIAS=dt_bias is not None, HAS_DT_LIMIT=has_limit, HAS_LIMIT_MASK=dt_limit_mask is not None,
     )
     return y

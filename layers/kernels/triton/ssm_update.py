@@ -11,9 +11,10 @@ import triton.language as tl
 
 
 @triton.jit
-def _softplus(x):
-    # log(1 + e^x) as max(x, 0) + log1p(e^-|x|); log1p(u) = log(w) * u / (w - 1), w = 1 + u
-    # (Goldberg), exact to float32 rounding where log(1 + u) alone would lose u's digits.
+def softplus(x):
+    """log(1 + e^x) in float32 (the SSD scan uses it too)."""
+    # As max(x, 0) + log1p(e^-|x|); log1p(u) = log(w) * u / (w - 1), w = 1 + u (Goldberg),
+    # exact to float32 rounding where log(1 + u) alone would lose u's digits.
     u = tl.exp(-tl.abs(x))
     w = 1.0 + u
     log1p = tl.where(w == 1.0, u, tl.log(w) * u / (w - 1.0))
@@ -51,7 +52,7 @@ def _ssm_update_kernel(
     x = tl.load(x_ptr + row * stride_xb + head * stride_xh + p * stride_xp, mask=p_in, other=0.0).to(tl.float32)
     dt = tl.load(dt_ptr + row * stride_dtb + head * stride_dth).to(tl.float32)
     if HAS_DT_BIAS:  # raw dt: softplus(dt + dt_bias) here, saving the separate elementwise kernels
-        dt = _softplus(dt + tl.load(dt_bias_ptr + head).to(tl.float32))
+        dt = softplus(dt + tl.load(dt_bias_ptr + head).to(tl.float32))
     a = tl.load(a_ptr + head).to(tl.float32)
     b = tl.load(b_ptr + row * stride_bb + group * stride_bg + n * stride_bn, mask=n_in, other=0.0).to(tl.float32)
     c = tl.load(c_ptr + row * stride_cb + group * stride_cg + n * stride_cn, mask=n_in, other=0.0).to(tl.float32)
@@ -138,7 +139,7 @@ def _ssm_verify_kernel(
                     other=0.0).to(tl.float32)
         dt = tl.load(dt_ptr + row * stride_dtb + j * stride_dtw + head * stride_dth).to(tl.float32)
         if HAS_DT_BIAS:
-            dt = _softplus(dt + tl.load(dt_bias_ptr + head).to(tl.float32))
+            dt = softplus(dt + tl.load(dt_bias_ptr + head).to(tl.float32))
         b = tl.load(b_ptr + row * stride_bb + j * stride_bw + group * stride_bg + n * stride_bn, mask=n_in,
                     other=0.0).to(tl.float32)
         c = tl.load(c_ptr + row * stride_cb + j * stride_cw + group * stride_cg + n * stride_cn, mask=n_in,
