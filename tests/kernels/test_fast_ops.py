@@ -213,49 +213,49 @@ def test_ssm_state_update(dtype: torch.dtype, batch: int, in_place: bool, shape:
     check_pool(states, expected_states, dst[valid], 1e-5)
 
 
-# How the SSD receives dt: processed; raw with dt_bias (softplus inside); raw with a dt
-# limit on the masked tokens (the model's prompt tokens), or on every token.
-DT_FORMS = ["processed", "raw", "raw+masked limit", "raw+limit"]
-
-
-def _ssd_dt_args(form: str, tokens: int, heads: int, dtype: torch.dtype) -> tuple[torch.Tensor, dict]:
-    """A raw dt ([T, H] model dtype, a row-strided slice like the model's in_proj split)
-    and the keyword arguments of `form`."""
-    dt = randn(tokens, heads + 3, dtype=dtype, scale=3.0)[:, :heads]  # spans softplus' linear and log ranges
-    kwargs = dict(dt_bias=randn(heads))
-    if "limit" in form:
-        kwargs["dt_limit"] = (0.3, 2.0)  # clamps a good share of softplus(N(0, 9)) from both sides
-    if "masked" in form:
-        kwargs["dt_limit_mask"] = torch.rand(tokens, device=DEVICE) < 0.5
-    return dt, kwargs
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("lens,padded", VARLEN_CASES)
-@pytest.mark.parametrize("in_place", [False, True])
-@pytest.mark.parametrize("shape", SSD_SHAPES)
-@pytest.mark.parametrize("dt_form", DT_FORMS)
-def test_ssd_chunk_scan_varlen(dtype: torch.dtype, lens: list[int], padded: list[bool], in_place: bool,
-                               shape: tuple[int, int, int, int], dt_form: str) -> None:
+def _check_ssd(dtype: torch.dtype, lens: list[int], padded: list[bool], in_place: bool,
+               shape: tuple[int, int, int, int], dt_form: str = "processed") -> None:
+    """The Triton SSD against the reference on one case: outputs, and every state slot."""
     from layers.kernels.triton import ssd
 
     heads, head_dim, groups, state = shape
-    if dt_form != "processed" and (in_place or shape != SSD_SHAPES[0]):
-        pytest.skip("the dt forms are independent of the slot plan and the shape")
     src, dst, valid, num_slots, cu, tokens, tok_valid = _varlen_plan(lens, padded, in_place, extra_tokens=2)
     states = randn(num_slots, heads, head_dim, state, scale=0.5)
     if not in_place:
         states[dst[valid]] = float("nan")
     x, dt, a, b, c, d_skip = _ssm_inputs(tokens, heads, head_dim, groups, state, dtype)
     kwargs = {}
-    if dt_form != "processed":
-        dt, kwargs = _ssd_dt_args(dt_form, tokens, heads, dtype)
+    if dt_form != "processed":  # the model's prefill path: the raw projection, a row-strided slice
+        dt = randn(tokens, heads + 3, dtype=dtype, scale=3.0)[:, :heads]  # spans softplus' linear and log ranges
+        kwargs["dt_bias"] = randn(heads)
+        if "limit" in dt_form:
+            kwargs["dt_limit"] = (0.3, 2.0)  # clamps a good share of softplus(N(0, 9)) from both sides
+        if "masked" in dt_form:
+            kwargs["dt_limit_mask"] = torch.rand(tokens, device=DEVICE) < 0.5
     expected_states = states.clone()
     expected = ref.ssd_chunk_scan_varlen(x, dt, a, b, c, d_skip, cu, expected_states, src, dst, **kwargs)
     out = ssd.ssd_chunk_scan_varlen(x, dt, a, b, c, d_skip, cu, states, src, dst, **kwargs)
     assert_close(out[tok_valid], expected[tok_valid], TOL[dtype])
     assert (out[~tok_valid] == 0).all()
     check_pool(states, expected_states, dst[valid], TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lens,padded", VARLEN_CASES)
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("shape", SSD_SHAPES)
+def test_ssd_chunk_scan_varlen(dtype: torch.dtype, lens: list[int], padded: list[bool], in_place: bool,
+                               shape: tuple[int, int, int, int]) -> None:
+    _check_ssd(dtype, lens, padded, in_place, shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lens,padded", VARLEN_CASES)
+@pytest.mark.parametrize("dt_form", ["raw", "raw+masked limit", "raw+limit"])
+def test_ssd_chunk_scan_varlen_raw_dt(dtype: torch.dtype, lens: list[int], padded: list[bool], dt_form: str) -> None:
+    """dt as the model passes it: raw with dt_bias (softplus inside), with a dt limit on the
+    masked tokens (the prompt tokens) or on every token."""
+    _check_ssd(dtype, lens, padded, False, SSD_SHAPES[0], dt_form)
 
 
 # ---------------------------------------------------------------- attention

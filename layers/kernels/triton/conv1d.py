@@ -9,7 +9,6 @@ import triton
 import triton.language as tl
 
 
-
 def _check_activation(activation: str | None) -> bool:
     if activation is None:
         return False
@@ -109,6 +108,9 @@ def _conv_final_state_kernel(
                  mask=d_in[:, None] & (col_in & (p >= 0))[None, :], other=0.0).to(tl.float32)
     sv = tl.load(states_ptr + src.to(tl.int64) * stride_slot + d[:, None] * stride_sd + (p + K - 1)[None, :] * stride_sk,
                  mask=d_in[:, None] & (col_in & (p < 0))[None, :], other=0.0).to(tl.float32)
+    # In place (src == dst) a short sequence's new column c is old column length+c, which
+    # another thread of this program may hold: every load above completes before any store.
+    tl.debug_barrier()
     out = states_ptr + dst.to(tl.int64) * stride_slot + d[:, None] * stride_sd + c[None, :] * stride_sk
     tl.store(out, (xv + sv).to(states_ptr.dtype.element_ty), mask=d_in[:, None] & col_in[None, :])
 
@@ -128,6 +130,9 @@ def causal_conv1d_varlen(
     x: [T, D] (row stride free, unit channel stride); weight: [D, K]; conv_states:
     [slots, D, K-1]; cu_seqlens: [S+1]; src_slots / dst_slots: [S]. Returns y: [T, D] in
     x's dtype; rows of padding sequences and tokens past cu_seqlens[-1] are zeros.
+
+    A sequence's dst slot must not be another sequence's src slot (each request owns its
+    slots; src == dst of one sequence is fine): final states go straight to the dst slots.
     """
     silu = _check_activation(activation)
     num_tokens, dim = x.shape

@@ -146,6 +146,11 @@ def ssd_chunk_scan_varlen(
         x, B, C = x.contiguous(), B.contiguous(), C.contiguous()
     if dt.stride(-1) != 1:
         dt = dt.contiguous()
+    if dt_limit_mask is not None:
+        if dt_limit_mask.shape != (x.shape[0],):
+            raise ValueError(f"dt_limit_mask must have one entry per token ({x.shape[0]}), "
+                             f"got shape {tuple(dt_limit_mask.shape)}")
+        dt_limit_mask = dt_limit_mask.contiguous()
     if ssm_states.stride(-1) != 1:
         raise ValueError("ssm_states must be contiguous in its last dimension")
     num_tokens, heads, head_dim = x.shape
