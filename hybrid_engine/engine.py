@@ -555,11 +555,15 @@ class LLMEngine:
         if not touched:
             raise error
         logger.exception("engine step failed; ending the requests it touched")
-        failed = self.scheduler.fail(touched, f"engine step failed: {type(error).__name__}: {error}")
+        return self._end_with_error(touched, f"engine step failed: {type(error).__name__}: {error}")
+
+    def _end_with_error(self, requests: list[Request], message: str) -> list[RequestOutput]:
+        """End `requests` with reason "error" (resources released), drop the steps in
+        flight, and return their outputs plus those of requests that finished earlier in
+        this step (not out yet when it raised; aborted ones go out with the step's)."""
+        failed = self.scheduler.fail(requests, message)
         self._unretired.clear()
         self._inflight = None
-        # Requests that finished earlier in this step (their outputs were not out yet when
-        # it raised) still get their final output.
         aborted = set(map(id, self._aborted))
         done = [r for r in self.requests.values() if r.finished and id(r) not in aborted and r not in failed]
         return [self._emit(r) for r in failed + done]
@@ -570,15 +574,9 @@ class LLMEngine:
         more requests (`dead`)."""
         logger.error("tensor-parallel group broke: %s; ending every request", reason)
         self.dead = reason
-        pending = [r for r in self.requests.values() if not r.finished]
-        failed = self.scheduler.fail(pending, f"engine failed: {reason}")
-        self._unretired.clear()
-        self._inflight = None
         if self._finalizer is not None:
             self._finalizer()
-        aborted = set(map(id, self._aborted))  # (their final outputs go out with this step's)
-        done = [r for r in self.requests.values() if r.finished and id(r) not in aborted and r not in failed]
-        return [self._emit(r) for r in failed + done]
+        return self._end_with_error([r for r in self.requests.values() if not r.finished], f"engine failed: {reason}")
 
     def _check_alive(self) -> None:
         if self.dead is not None:

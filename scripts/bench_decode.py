@@ -73,6 +73,11 @@ def peer_model_dir() -> str:
     return path
 
 
+def model_hf_config(model: str) -> dict:
+    """The model's config.json dict (a checkpoint directory, or "preset:NAME")."""
+    return read_config(model) if os.path.isdir(model) else get_preset(model.removeprefix("preset:"))
+
+
 def run_batch(llm: LLM, batch: int, prompt_len: int, output_len: int) -> dict:
     """Generate `batch` requests; returns throughput and inter-token latencies."""
     engine = llm.engine
@@ -225,8 +230,7 @@ def main() -> None:
     bandwidth = copy_bandwidth() if args.modes else None
     rows = time_modes(args, model, bandwidth) if args.modes else []
     if args.hf_batch:
-        hf_config = read_config(model) if os.path.isdir(model) else get_preset(model.removeprefix("preset:"))
-        r = run_hf_generate(hf_config, args.hf_batch, args.prompt_len, args.output_len)
+        r = run_hf_generate(model_hf_config(model), args.hf_batch, args.prompt_len, args.output_len)
         rows.append(dict(mode="HF transformers generate", batch=args.hf_batch, **r))
         print(f"HF generate    B={args.hf_batch:4d} {r['tok_s']:9.0f} tok/s  mean step {r['itl_mean_ms']:.2f} ms", flush=True)
     if rows:

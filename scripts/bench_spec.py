@@ -33,20 +33,13 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import StepProbe, peer_model_dir  # noqa: E402
+from bench_decode import StepProbe, model_hf_config, peer_model_dir  # noqa: E402
 
 from hybrid_engine import LLM, SamplingParams  # noqa: E402
-from hybrid_engine.models.loader import read_config  # noqa: E402
-from hybrid_engine.models.presets import get_preset  # noqa: E402
 
 # The small draft model: NemotronH, 6 layers (3 Mamba-2, 1 attention, 2 MLP), 1024 wide.
 SMALL_DRAFT = dict(hybrid_override_pattern="M-M*M-", num_hidden_layers=6, hidden_size=1024, intermediate_size=4096,
                    num_attention_heads=8, num_key_value_heads=2, mamba_head_dim=64, mamba_num_heads=32, n_groups=8)
-
-
-def target_config(model: str) -> dict:
-    """The target's config.json dict ("preset:NAME" or a checkpoint directory)."""
-    return get_preset(model.removeprefix("preset:")) if model.startswith("preset:") else read_config(model)
 
 
 def small_draft_dir(target: dict) -> str:
@@ -173,7 +166,7 @@ def main() -> None:
                "adversarial": {"method": "proposer", "proposer": adversarial},
                "ngram": {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5}}
     if "draft-small" in args.proposers:
-        configs["draft-small"] = {"method": "draft_model", "model": small_draft_dir(target_config(model))}
+        configs["draft-small"] = {"method": "draft_model", "model": small_draft_dir(model_hf_config(model))}
     configs["draft-self"] = {"method": "draft_model", "model": model}
     base = LLM(**common)
     for name in args.proposers:

@@ -124,11 +124,11 @@ def _broadcast(t: torch.Tensor, group: TensorParallelGroup) -> None:
     dist.broadcast(t, src=0, group=group.channel_group)
 
 
-def follow(group: TensorParallelGroup, runners: dict[int, Any], targets: dict[int, dict[str, Any]]) -> None:
+def follow(group: TensorParallelGroup, targets: dict[int, dict[str, Any]]) -> None:
     """Worker: run the driver's steps until it says stop.
 
-    `runners[engine]` is that engine's `ModelRunner`; `targets[engine]` maps the names of
-    `DeviceOpLog.record` to the objects whose methods replay them.
+    `targets[engine]` maps the names of `DeviceOpLog.record` to that engine's objects whose
+    methods replay them (`LLMEngine.device_op_targets`; its "runner" runs the steps).
     """
     header_buf = torch.zeros(_HEADER_LEN, dtype=torch.int64)
     while True:
@@ -136,7 +136,7 @@ def follow(group: TensorParallelGroup, runners: dict[int, Any], targets: dict[in
         header = StepHeader(*header_buf.tolist())
         if header.kind == KIND_STOP:
             return
-        runner = runners[header.engine]
+        runner = targets[header.engine]["runner"]
         _broadcast(runner.buffer.host_bytes(), group)
         if header.device_ops_bytes:
             raw = torch.empty(header.device_ops_bytes, dtype=torch.uint8)

@@ -50,12 +50,10 @@ def run_rank(rank: int, world_size: int, local_rank: int, store: str | None, dev
         group.confirm_started(error)  # the driver raises it, naming this rank
         raise
     group.confirm_started()
-    runners = {0: engine.runner}
     targets = {0: engine.device_op_targets()}
     if engine.draft_engine is not None:
-        runners[1] = engine.draft_engine.runner
         targets[1] = engine.draft_engine.device_op_targets()
-    follow(group, runners, targets)
+    follow(group, targets)
     group.shutdown()
 
 

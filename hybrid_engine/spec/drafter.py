@@ -131,8 +131,6 @@ class Drafter:
     def _draft_model_proposals(self, queries: list[DraftQuery]) -> list[list[int]]:
         """All queries' drafts from the draft model in one batched run; a failure costs
         this step's drafts (logged once), never the engine."""
-        if not queries:
-            return []
         try:
             return [self._check(p, q.num_tokens) for p, q in zip(self.draft_model.propose(queries), queries)]
         except Exception:

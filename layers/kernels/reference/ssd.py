@@ -64,6 +64,12 @@ def _ssd_one_sequence(
     return y, final_state
 
 
+def clamps_dt(dt_limit: tuple[float, float]) -> bool:
+    """Whether `dt_limit` clamps anything (the default (0, inf) does not)."""
+    lo, hi = dt_limit
+    return lo > 0.0 or hi != math.inf
+
+
 def process_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_limit: tuple[float, float] = (0.0, math.inf),
                dt_limit_mask: torch.Tensor | None = None) -> torch.Tensor:
     """dt as the scan uses it, in float32: softplus(dt + dt_bias) when `dt_bias` is given
@@ -72,9 +78,8 @@ def process_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_limit: tuple[f
     dt = dt.float()
     if dt_bias is not None:
         dt = F.softplus(dt + dt_bias.float())
-    lo, hi = dt_limit
-    if lo > 0.0 or hi != math.inf:
-        clamped = dt.clamp(lo, hi)
+    if clamps_dt(dt_limit):
+        clamped = dt.clamp(*dt_limit)
         dt = clamped if dt_limit_mask is None else torch.where(dt_limit_mask[:, None], clamped, dt)
     return dt
 
@@ -98,8 +103,8 @@ def ssd_chunk_scan_varlen(
 
     x: [T, H, P]; dt: [T, H], used as `process_dt(dt, dt_bias, dt_limit, dt_limit_mask)`;
     A, D: [H]; B, C: [T, G, N]; cu_seqlens: [S+1]; ssm_states: [slots, H, P, N] float32;
-    each sequence starts from
-    `ssm_states[src_slots[s]]` and its final state goes to `ssm_states[dst_slots[s]]`.
+    each sequence starts from `ssm_states[src_slots[s]]` and its final state goes to
+    `ssm_states[dst_slots[s]]`.
     Returns y: [T, H, P] in x's dtype (D skip included, gate not applied).
     """
     heads = x.shape[1]

@@ -25,7 +25,7 @@ import triton.language as tl
 # H100 over (8B shapes: 1 x 4096 and 32 x 128 tokens; peer shapes: 32 x 256 and 1 x 4096)
 # against chunks 32/64/128, blocks 16/32/64, 4/8 warps: whole heads per program (B and C
 # are read once per head, not per channel block) with 32-token chunks won.
-from layers.kernels.reference.ssd import CHUNK
+from layers.kernels.reference.ssd import CHUNK, clamps_dt
 from layers.kernels.triton.ssm_update import softplus
 
 BLOCK_P = 64  # head channels per program: the state tile is BLOCK_P x state_size float32
@@ -159,7 +159,6 @@ def ssd_chunk_scan_varlen(
     block_p = min(BLOCK_P, triton.next_power_of_2(head_dim))
     grid = (num_seqs + 1, heads, triton.cdiv(head_dim, block_p))
     dt_min, dt_max = dt_limit
-    has_limit = dt_min > 0.0 or dt_max != math.inf
     _ssd_varlen_kernel[grid](
         x, dt, dt_bias if dt_bias is not None else A, dt_limit_mask if dt_limit_mask is not None else dt,
         A, B, C, D, cu_seqlens, ssm_states, src_slots, dst_slots, y,
@@ -168,6 +167,6 @@ def ssd_chunk_scan_varlen(
         ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), y.stride(0), y.stride(1),
         CHUNK=CHUNK, BP=block_p, BN=max(16, triton.next_power_of_2(state_size)),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS,
-        HAS_DT_BIAS=dt_bias is not None, HAS_DT_LIMIT=has_limit, HAS_LIMIT_MASK=dt_limit_mask is not None,
+        HAS_DT_BIAS=dt_bias is not None, HAS_DT_LIMIT=clamps_dt(dt_limit), HAS_LIMIT_MASK=dt_limit_mask is not None,
     )
     return y
