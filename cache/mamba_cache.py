@@ -23,8 +23,16 @@ that a rejected launch or a partial acceptance would need back:
 Slots are handed out from one flat pool, not by formula from the row. The pool also has
 `checkpoint_slots` slots that only the prefix cache takes (read-only state checkpoints,
 cache/prefix_cache.py): a request never waits for one, and a checkpoint never waits for
-a request's slot.
+a request's slot. No state is copied either way:
+- a request resumed from a checkpoint reads it in place: its first row reads the
+  checkpoint slot and writes the request's first bank;
+- a checkpoint of a request's committed state takes that very slot (`hand_over`): a free
+  checkpoint slot takes its place in the request's ring, and the request reads its
+  committed state from the checkpoint until its next row commits, as a resumed one does.
+Until that row commits, a rejection falls back to the checkpoint, so the slot is not handed
+out again while a request may still read it (`free_checkpoint_slot` defers it).
 """
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +47,7 @@ class RequestState:
     ring: tuple[int, ...]  # its state slots: bank b is ring[b * row_positions:(b + 1) * row_positions]
     committed: int  # the slot holding the committed state
     head: int  # the slot the newest live launched row leaves its last state in (else `committed`)
+    reads_checkpoint: int = -1  # the checkpoint slot it resumed from, until its first row commits
 
 
 class MambaStateAllocator:
@@ -80,6 +89,10 @@ class MambaStateAllocator:
         self._free_slots: list[int] = list(range(request_slots - 1, -1, -1))
         self._free_checkpoint_slots: list[int] = list(range(num_slots - 1, request_slots - 1, -1))
         self.checkpoint_slots = checkpoint_slots
+        # Checkpoint slots that resumed requests read (how many read each), and those of
+        # them the cache gave back meanwhile: free once nobody reads them.
+        self._checkpoint_readers: Counter[int] = Counter()
+        self._released_while_read: set[int] = set()
         # The bank a row reading slot s writes, and its first slot as an array: one table
         # lookup turns a one-position step's (src, dst) into the next step's.
         self._bank_after: list[tuple[int, ...]] = [()] * num_slots
@@ -102,28 +115,35 @@ class MambaStateAllocator:
         return len(self._next_slot)
 
     def allocate(self, resume_from: int | None = None) -> RequestState:
-        """Take a row and a ring of slots. The slots are zeroed by the next step
-        (`take_new_slots`) -- except that with `resume_from` (a checkpoint slot) the first
-        slot, the state the request starts from, is a copy of that checkpoint (made now)."""
+        """Take a row and a ring of slots. The request starts from zeros (its slots are
+        zeroed by the next step, `take_new_slots`) or, with `resume_from`, from that
+        checkpoint slot, which its first row reads in place (nothing is zeroed: every slot
+        of the ring is written before it is read)."""
         if not self._free_rows:
             raise RuntimeError("Mamba state pool exhausted (scheduler bug: admission must check num_free)")
         ring = tuple(self._free_slots.pop() for _ in range(self.copies_per_request))
+        self._link_banks(ring)
+        if resume_from is None:
+            self._to_zero.extend(ring)
+            return RequestState(self._free_rows.pop(), ring, committed=ring[0], head=ring[0])
+        self._checkpoint_readers[resume_from] += 1
+        return RequestState(self._free_rows.pop(), ring, committed=resume_from, head=resume_from,
+                            reads_checkpoint=resume_from)
+
+    def _link_banks(self, ring: tuple[int, ...]) -> None:
+        """Record, for each slot of a ring, the bank a row reading it writes."""
         width = self.row_positions
         bank_list = [ring[b * width:(b + 1) * width] for b in range(self.banks)]
         for i, slot in enumerate(ring):
             after = bank_list[(i // width + 1) % self.banks]
             self._bank_after[slot] = after
             self._next_slot[slot] = after[0]
-        if resume_from is None:
-            self._to_zero.extend(ring)
-        else:
-            self.copy_state(resume_from, ring[0])
-            self._to_zero.extend(ring[1:])  # (written before they are read: zeroed for tidiness)
-        return RequestState(self._free_rows.pop(), ring, committed=ring[0], head=ring[0])
 
     def free(self, state: RequestState) -> None:
         """Return a request's row and slots to the pool (slots not yet zeroed are dropped
         from the zeroing list: whoever takes them next queues them again)."""
+        if state.reads_checkpoint >= 0:
+            self._stop_reading_checkpoint(state)
         self._free_rows.append(state.row)
         self._free_slots.extend(reversed(state.ring))
         if self._to_zero:
@@ -135,8 +155,50 @@ class MambaStateAllocator:
         return self._free_checkpoint_slots.pop() if self._free_checkpoint_slots else None
 
     def free_checkpoint_slot(self, slot: int) -> None:
-        """Give a checkpoint slot back."""
-        self._free_checkpoint_slots.append(slot)
+        """Give a checkpoint slot back: free now, or once no resumed request reads it."""
+        if self._checkpoint_readers[slot]:
+            self._released_while_read.add(slot)
+        else:
+            self._free_checkpoint_slots.append(slot)
+
+    def is_read(self, slot: int) -> bool:
+        """Whether a resumed request may still read this checkpoint slot (its first row has
+        not committed): the cache evicts other checkpoints first."""
+        return self._checkpoint_readers[slot] > 0
+
+    @property
+    def num_free_checkpoint_slots(self) -> int:
+        """Checkpoint slots nobody holds or reads."""
+        return len(self._free_checkpoint_slots)
+
+    def _stop_reading_checkpoint(self, state: RequestState) -> None:
+        """The request no longer needs its checkpoint (its first row committed, or it is
+        freed): release the slot if the cache gave it back meanwhile."""
+        slot, state.reads_checkpoint = state.reads_checkpoint, -1
+        self._checkpoint_readers[slot] -= 1
+        if not self._checkpoint_readers[slot]:
+            del self._checkpoint_readers[slot]
+            if slot in self._released_while_read:
+                self._released_while_read.remove(slot)
+                self._free_checkpoint_slots.append(slot)
+
+    def hand_over(self, state: RequestState, spare: int) -> int:
+        """Make the request's committed state a checkpoint without copying it: `spare` (a
+        free checkpoint slot) takes the committed slot's place in the request's ring, and
+        the request reads its committed state from the checkpoint until its next row
+        commits, as a resumed request does (an in-flight row reads it there already: it is
+        never written again). Returns the checkpoint's slot: the committed one, or `spare`
+        holding a copy when the request still reads a checkpoint itself (no row committed
+        since it resumed)."""
+        slot = state.committed
+        if state.reads_checkpoint >= 0:
+            self.copy_state(slot, spare)
+            return spare
+        state.ring = tuple(spare if s == slot else s for s in state.ring)
+        self._link_banks(state.ring)
+        state.reads_checkpoint = slot
+        self._checkpoint_readers[slot] += 1
+        return slot
 
     def copy_state(self, src: int, dst: int) -> None:
         """Copy a slot's conv and SSM state in every layer, on the device, now: stream order
@@ -153,7 +215,10 @@ class MambaStateAllocator:
         request's head and writes the state after each position into `dsts`; its last
         position's state becomes the head (what a following launch-ahead row reads)."""
         src = state.head
-        dsts = self._bank_after[src][:num_positions]
+        if src == state.reads_checkpoint:  # a resumed request's first row: it writes its first bank
+            dsts = state.ring[:num_positions]
+        else:
+            dsts = self._bank_after[src][:num_positions]
         state.head = dsts[-1]
         return src, dsts
 
@@ -165,6 +230,8 @@ class MambaStateAllocator:
         state.committed = dsts[num_accepted]
         if last:
             state.head = state.committed
+        if state.reads_checkpoint >= 0:
+            self._stop_reading_checkpoint(state)
 
     def reject(self, state: RequestState) -> None:
         """The request's newest launched row is rejected (its older rows have all retired):

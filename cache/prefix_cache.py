@@ -21,14 +21,17 @@ and resumes there; a recomputed request resumes where it was evicted). A request
 its prompt-end checkpoint later, inside its output (`Request.checkpoint_at`: a draft
 model's proposal, at the end of the target's committed tokens, where the next proposal
 resumes; chunks split there too, and it leaves no finish checkpoint: its end holds
-drafts). All copies are device ops issued at once: stream order puts them after every
-launched step (whose writes they read) and before every later one.
+drafts). A checkpoint takes the request's committed state slot itself, with no copy
+(`MambaStateAllocator.hand_over`); the tail-block copies are device ops issued at once:
+stream order puts them after every launched step (whose writes they read) and before every
+later one.
 
 A hit (`acquire`) is the deepest checkpoint whose prefix the request's tokens match, at
 most `len(tokens) - 1` (the last token is always computed: it yields the first logits).
+The resumed request's first row reads the checkpoint's state in place (no copy).
 Eviction is least recently used: checkpoints when the checkpoint slots run out (a
 finished request's own checkpoints that nobody used go first: its finish checkpoint is
-deeper on the same prefix), blocks when the KV pool runs short (a block's eviction drops
+deeper on the same prefix; one a resuming request still reads is passed over), blocks when the KV pool runs short (a block's eviction drops
 the nodes under it and every checkpoint attached there).
 """
 from collections import OrderedDict
@@ -158,8 +161,9 @@ class PrefixCache:
     def resume(self, request, hit: PrefixHit) -> int:
         """The request was admitted at `hit`: copy the tail block into its own, and track
         its registration from the hit's node. (The caller starts its Mamba state from
-        `hit.checkpoint.slot`: `MambaStateAllocator.allocate(resume_from=...)`.) Returns
-        the committed length at which to call `commit`."""
+        `hit.checkpoint.slot`, `MambaStateAllocator.allocate(resume_from=...)`: its first
+        row reads the checkpoint in place.) Returns the committed length at which to call
+        `commit`."""
         checkpoint = hit.checkpoint
         if checkpoint.tail_block >= 0:
             self.kv.copy_block(checkpoint.tail_block, hit.tail_copy)
@@ -186,16 +190,16 @@ class PrefixCache:
         return num_tokens
 
     # ---- registering -----------------------------------------------------------------
-    def commit(self, request, num_computed: int, state_slot: int) -> int:
-        """The request's KV and state are committed through `num_computed` tokens (state in
-        `state_slot`): register its newly full blocks, and checkpoint the state if this is
-        the prompt's end or an interval position inside the prompt. Returns the committed
-        length at which to call again."""
+    def commit(self, request, num_computed: int) -> int:
+        """The request's KV and state (`request.state`) are committed through `num_computed`
+        tokens: register its newly full blocks, and checkpoint the state if this is the
+        prompt's end or an interval position inside the prompt. Returns the committed length
+        at which to call again."""
         progress = self._progress[request]
         self._register_blocks(request, progress, num_computed)
         prompt_end = request.prompt_checkpoint
         if num_computed == prompt_end or (num_computed < prompt_end and num_computed % self.interval == 0):
-            self._save(request, progress, num_computed, state_slot)
+            self._save(request, progress, num_computed)
         return self._next_commit(progress, num_computed, prompt_end)
 
     def _next_commit(self, progress: _Progress, num_computed: int, prompt_end: int) -> int:
@@ -208,13 +212,13 @@ class PrefixCache:
             return min(next_block, (num_computed // self.interval + 1) * self.interval, prompt_end)
         return next_block
 
-    def finish(self, request, num_computed: int, state_slot: int | None) -> None:
+    def finish(self, request, num_computed: int, save_state: bool = True) -> None:
         """The request ends (or is evicted): checkpoint its committed state at
-        `num_computed` (None: its state is not trusted, e.g. a failed step), and stop
-        tracking it. Its own earlier checkpoints that nobody used become the first to
-        evict: this one is deeper on the same prefix."""
+        `num_computed` (unless `save_state` is False: its state is not trusted, e.g. a
+        failed step), and stop tracking it. Its own earlier checkpoints that nobody used
+        become the first to evict: this one is deeper on the same prefix."""
         progress = self._progress.pop(request, None)
-        if progress is None or state_slot is None or num_computed == 0:
+        if progress is None or not save_state or num_computed == 0:
             return
         self._register_blocks(request, progress, num_computed)
         if request.checkpoint_at is not None:
@@ -230,7 +234,7 @@ class PrefixCache:
             # A stop among accepted drafts: the state includes drafts after the stop token,
             # which are not the request's tokens.
             return
-        final = self._save(request, progress, num_computed, state_slot)
+        final = self._save(request, progress, num_computed)
         if final is None:
             return
         for checkpoint in progress.saved:
@@ -256,9 +260,10 @@ class PrefixCache:
             node = child
         progress.node = node
 
-    def _save(self, request, progress: _Progress, position: int, state_slot: int) -> Checkpoint | None:
-        """Checkpoint the request's state (in `state_slot`) at `position`, unless one is
-        there (then that one is returned, as recently used); None if none can be made."""
+    def _save(self, request, progress: _Progress, position: int) -> Checkpoint | None:
+        """Checkpoint the request's committed state at `position`, unless one is there
+        (then that one is returned, as recently used); None if none can be made. The
+        checkpoint takes the committed slot itself (`MambaStateAllocator.hand_over`)."""
         node = progress.node
         if not node.alive or node.depth != position // self.block_size:
             return None
@@ -269,9 +274,11 @@ class PrefixCache:
             return existing
         slot = self.mamba.take_checkpoint_slot()
         if slot is None:
-            if not self._checkpoints:
-                return None  # no checkpoint slots at all
-            self._drop_checkpoint(next(iter(self._checkpoints)))
+            # The least recently used checkpoint that no resuming request still reads.
+            victim = next((c for c in self._checkpoints if not self.mamba.is_read(c.slot)), None)
+            if victim is None:
+                return None  # no checkpoint slots at all, or every one is being read
+            self._drop_checkpoint(victim)
             slot = self.mamba.take_checkpoint_slot()
         tail_block = -1
         if tail:
@@ -284,7 +291,7 @@ class PrefixCache:
                 self.mamba.free_checkpoint_slot(slot)
                 return None
             self.kv.copy_block(request.blocks[node.depth], tail_block)
-        self.mamba.copy_state(state_slot, slot)
+        slot = self.mamba.hand_over(request.state, slot)
         checkpoint = Checkpoint(position, node, tail, tail_block, slot)
         node.checkpoints[tail] = checkpoint
         self._checkpoints[checkpoint] = None

@@ -346,7 +346,7 @@ class Scheduler:
         (with prefix caching, its committed state is checkpointed first: it resumes there)."""
         self.running.remove(request)
         if self.cache is not None:
-            self.cache.finish(request, request.num_computed, self.mamba.committed_slot(request.state))
+            self.cache.finish(request, request.num_computed)
         self._release(request)
         request.num_computed = request.num_scheduled = 0
         request.inflight_drafts = []
@@ -428,8 +428,7 @@ class Scheduler:
 
     def _cache_commit(self, request: Request) -> None:
         """Hand the request's newly committed tokens to the prefix cache."""
-        request.cache_commit_at = self.cache.commit(request, request.num_computed,
-                                                    self.mamba.committed_slot(request.state))
+        request.cache_commit_at = self.cache.commit(request, request.num_computed)
 
     def _append_sample(self, request: Request, token: int, logprobs: list[tuple[int, float]] | None,
                        result: RetiredStep) -> None:
@@ -487,8 +486,7 @@ class Scheduler:
         request.finish_reason, request.error = reason, error
         if self.cache is not None and request.state is not None:
             # A failed step may have left the state half-written: only other ends are cached.
-            slot = None if reason == "error" else self.mamba.committed_slot(request.state)
-            self.cache.finish(request, request.num_computed, slot)
+            self.cache.finish(request, request.num_computed, save_state=reason != "error")
         if request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         else:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from layers.kernels.ops import KernelOps
 from layers.parallel import SINGLE, ColumnParallelLinear, ParallelContext, RowParallelLinear
 
 
@@ -43,14 +44,15 @@ class Relu2MLP(_ParallelMLP):
 
     down_name = "down_proj"
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, *,
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, *, ops: KernelOps,
                  tp: ParallelContext = SINGLE):
         super().__init__()
+        self.ops = ops
         self.up_proj = ColumnParallelLinear(hidden_size, tp.shard(0, intermediate_size), bias=bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp=tp)
 
     def _hidden(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.square(F.relu(self.up_proj(x)))
+        return self.ops.relu_square(self.up_proj(x))
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This rank's (up, down) weights for running this MLP as the shared expert inside

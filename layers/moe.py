@@ -131,7 +131,7 @@ class NemotronHMoE(nn.Module):
         self.placement = _ExpertPlacement.of(tp, num_experts, intermediate_size, gated=False)
         self.experts = _StackedExperts(self.placement, num_experts, expert_dim, intermediate_size, "up_proj",
                                        "down_proj")
-        self.shared_experts = Relu2MLP(hidden_size, shared_intermediate_size, bias=bias, tp=tp)
+        self.shared_experts = Relu2MLP(hidden_size, shared_intermediate_size, bias=bias, ops=ops, tp=tp)
         # Replicated: the latent projections are small next to the experts.
         self.fc1_latent_proj = nn.Linear(hidden_size, latent_size, bias=bias) if latent_size else nn.Identity()
         self.fc2_latent_proj = nn.Linear(latent_size, hidden_size, bias=bias) if latent_size else nn.Identity()

@@ -25,7 +25,7 @@ class NemotronHBlock(nn.Module):
         elif kind == "attention":
             self.mixer = make_attention(c, ops, tp)
         elif kind == "mlp":
-            self.mixer = Relu2MLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, tp=tp)
+            self.mixer = Relu2MLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, ops=ops, tp=tp)
         else:
             self.mixer = NemotronHMoE(c.hidden_size, c.num_experts, c.top_k, c.moe_intermediate_size,
                                       c.shared_intermediate_size, c.n_group, c.topk_group, c.norm_topk_prob,

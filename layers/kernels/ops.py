@@ -45,6 +45,11 @@ class KernelOps(Protocol):
         """Mamba-2 output norm rmsnorm_per_group(x * silu(z)) * weight (norm after gating).
         x, z: [T, D] (any row stride); weight: [D]; statistics per `group_size` channels."""
 
+    def relu_square(self, x: torch.Tensor) -> torch.Tensor:
+        """relu(x)^2 elementwise (NemotronH's MLP activation), squared in float32 and rounded
+        once to x's dtype, as torch.square(F.relu(x)) rounds. Written over x -- the caller's
+        temporary, e.g. the up projection's output -- which is returned."""
+
     def causal_conv1d_varlen(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              conv_states: torch.Tensor, cu_seqlens: torch.Tensor, src_slots: torch.Tensor,
                              dst_slots: torch.Tensor, activation: str | None = "silu") -> torch.Tensor:

@@ -1,6 +1,6 @@
 """MambaStateAllocator: exact counts, exhaustion, which slots launched rows read and write
-(in place, ping-pong, verify rows of several positions), commit, reject, deferred batched
-zeroing, storage layout."""
+(in place, ping-pong, verify rows of several positions, a resumed request's checkpoint),
+commit, reject, deferred batched zeroing, storage layout."""
 import random
 
 import numpy as np
@@ -13,9 +13,10 @@ from cache.mamba_cache import MambaStateAllocator
 LAYERS, CONV_DIM, CONV_W, HEADS, HEAD_DIM, STATE = 3, 6, 3, 2, 4, 5
 
 
-def make(max_num_seqs=4, banks=1, positions=1, dtype=torch.float32):
+def make(max_num_seqs=4, banks=1, positions=1, dtype=torch.float32, checkpoints=0):
     return MambaStateAllocator(max_num_seqs, LAYERS, CONV_DIM, CONV_W, HEADS, HEAD_DIM, STATE, dtype,
-                               torch.device("cpu"), banks=banks, row_positions=positions)
+                               torch.device("cpu"), banks=banks, row_positions=positions,
+                               checkpoint_slots=checkpoints)
 
 
 class OpCounter(TorchDispatchMode):
@@ -138,6 +139,86 @@ def test_following_slots_agree_with_launch():
         first = [m.launch(s) for s in states]
         src, dst = m.following_slots(np.array([d[0] for _, d in first], dtype=np.int64))
         assert list(zip(src.tolist(), dst.tolist())) == [(s, d[0]) for s, d in (m.launch(s) for s in states)]
+
+
+@pytest.mark.parametrize("banks,positions", [(1, 1), (2, 1), (2, 3)])
+def test_resumed_request_reads_its_checkpoint_in_place_until_its_first_row_commits(banks, positions):
+    m = make(2, banks, positions, checkpoints=2)
+    checkpoint = m.take_checkpoint_slot()
+    state = m.allocate(resume_from=checkpoint)
+    assert not m.has_new_slots()  # nothing to zero (or copy): every ring slot is written before read
+    assert state.committed == state.head == checkpoint and m.is_read(checkpoint)
+    first = m.launch(state)
+    assert first == (checkpoint, (state.ring[0],))
+    m.reject(state)  # a rejected first row: the relaunch reads the checkpoint again
+    assert m.launch(state) == first
+    if banks == 2:  # launch-ahead: the next row reads the first row's state, in the other bank
+        src, dsts = m.launch(state, positions)
+        assert src == state.ring[0] and set(dsts) <= set(state.ring[positions:])
+        m.commit(state, first[1])
+        assert state.committed == state.ring[0] and state.head == dsts[-1]
+    else:
+        m.commit(state, first[1])
+        assert state.committed == state.head == state.ring[0]
+    assert not m.is_read(checkpoint) and state.reads_checkpoint == -1
+    assert checkpoint not in {m.launch(state)[0] for _ in range(3)}
+
+
+@pytest.mark.parametrize("banks,positions", [(1, 1), (2, 1), (2, 3)])
+def test_hand_over_makes_the_committed_slot_a_checkpoint_without_a_copy(banks, positions):
+    m = make(2, banks, positions, checkpoints=2)
+    state = m.allocate()
+    m.take_new_slots()
+    first = m.launch(state)
+    m.commit(state, first[1])
+    committed = state.committed
+    m.conv_states[:, committed] = 7.0
+    inflight = m.launch(state, positions) if banks == 2 else None  # launch-ahead: it reads `committed`
+    spare = m.take_checkpoint_slot()
+    assert m.hand_over(state, spare) == committed
+    assert committed not in state.ring and spare in state.ring and len(set(state.ring)) == m.copies_per_request
+    assert m.is_read(committed) and state.committed == committed
+    if inflight is not None:
+        src, dsts = m.launch(state)  # the next row follows the in-flight one, into the bank with the spare
+        assert src == inflight[1][-1] and dsts[0] == spare
+        assert tuple(m.following_slots(np.array([inflight[1][-1]]))[1]) == (spare,)
+        m.commit(state, inflight[1])
+    else:
+        src, dsts = m.launch(state)
+        assert src == committed and dsts == (spare,)
+        m.reject(state)  # relaunched: the checkpoint is read again, the spare written again
+        assert m.launch(state) == (src, dsts)
+        m.commit(state, dsts)
+    assert not m.is_read(committed) and (m.conv_states[:, committed] == 7.0).all()
+    m.free(state)
+    assert committed not in m._free_slots and spare in m._free_slots  # the pools swapped one slot each
+
+
+def test_hand_over_copies_when_the_request_still_reads_a_checkpoint():
+    m = make(2, checkpoints=2)
+    checkpoint = m.take_checkpoint_slot()
+    m.ssm_states[:, checkpoint] = torch.randn_like(m.ssm_states[:, checkpoint])
+    state = m.allocate(resume_from=checkpoint)  # no row committed yet: its committed state is the checkpoint
+    spare = m.take_checkpoint_slot()
+    assert m.hand_over(state, spare) == spare
+    assert torch.equal(m.ssm_states[:, spare], m.ssm_states[:, checkpoint]) and spare not in state.ring
+
+
+@pytest.mark.parametrize("ends", ["commit", "free"])
+def test_a_checkpoint_given_back_while_read_is_free_only_after_its_readers(ends):
+    m = make(3, banks=2, checkpoints=2)
+    checkpoint = m.take_checkpoint_slot()
+    readers = [m.allocate(resume_from=checkpoint), m.allocate(resume_from=checkpoint)]
+    m.free_checkpoint_slot(checkpoint)  # the cache evicted it while two requests read it
+    assert m.num_free_checkpoint_slots == 1 and m.take_checkpoint_slot() != checkpoint
+    for i, state in enumerate(readers):
+        assert m.num_free_checkpoint_slots == 0 and m.is_read(checkpoint)
+        if ends == "commit":
+            m.commit(state, m.launch(state)[1])
+        else:
+            m.free(state)
+    assert not m.is_read(checkpoint) and m.num_free_checkpoint_slots == 1
+    assert m.take_checkpoint_slot() == checkpoint
 
 
 @pytest.mark.parametrize("copies", [1, 2])

@@ -59,11 +59,13 @@ def run_request(kv, mamba, cache, tokens, prompt_len=None, hit=None):
     for i in range(start // BS, len(request.blocks)):
         fill_kv(kv, request.blocks[i], 1000 * id(request) % 997 + i)
     for n in range(start + 1, len(tokens)):  # commit token by token (the last one is never fed)
-        mamba.conv_states[:, request.state.committed] = n
+        _, (dst,) = mamba.launch(request.state)
+        mamba.conv_states[:, dst] = n
+        mamba.commit(request.state, (dst,))
         if n >= commit_at:
-            commit_at = cache.commit(request, n, request.state.committed)
+            commit_at = cache.commit(request, n)
     computed = len(tokens) - 1
-    cache.finish(request, computed, request.state.committed)
+    cache.finish(request, computed)
     kv.release(reversed(request.blocks))
     mamba.free(request.state)
     return request
@@ -98,12 +100,14 @@ def test_hit_shares_full_blocks_and_copies_the_partial_one():
     assert own != checkpoint.tail_block and own not in shared
     cached = kv.num_cached
     request = FakeRequest(prompt_token_ids=tokens + [7, 7, 1], output_token_ids=[], blocks=hit.blocks)
+    mamba.take_new_slots()
     request.state = mamba.allocate(checkpoint.slot)
     assert cache.resume(request, hit) == 16  # next: its 4th block fills
     for k, v in kv.kv_caches:  # copy-on-write: the request's own block has the tail's KV
         assert torch.equal(k[own], k[checkpoint.tail_block]) and torch.equal(v[own], v[checkpoint.tail_block])
-    assert torch.equal(mamba.conv_states[:, request.state.committed], mamba.conv_states[:, checkpoint.slot])
-    assert torch.equal(mamba.ssm_states[:, request.state.committed], mamba.ssm_states[:, checkpoint.slot])
+    # The Mamba state is not copied: the first row reads the checkpoint slot in place.
+    assert request.state.committed == checkpoint.slot and not mamba.take_new_slots()
+    assert mamba.launch(request.state) == (checkpoint.slot, (request.state.ring[0],))
     assert kv.num_cached == cached + 1  # the tail's hold is given back: cached (and free) again
     # Shared blocks cannot be evicted while held: allocating everything leaves them alone.
     others = kv.allocate(kv.num_free)
@@ -111,7 +115,7 @@ def test_hit_shares_full_blocks_and_copies_the_partial_one():
     kv.release(others)
 
 
-def test_checkpoint_state_is_an_exact_copy():
+def test_checkpoint_takes_the_committed_state_without_a_copy():
     kv, mamba, cache = make()
     request = FakeRequest(prompt_token_ids=list(range(8)), output_token_ids=[], blocks=kv.allocate(2))
     request.state = mamba.allocate()
@@ -119,12 +123,21 @@ def test_checkpoint_state_is_an_exact_copy():
     torch.manual_seed(0)
     mamba.conv_states[:, slot] = torch.randn_like(mamba.conv_states[:, slot])
     mamba.ssm_states[:, slot] = torch.randn_like(mamba.ssm_states[:, slot])
+    expected = mamba.conv_states[:, slot].clone(), mamba.ssm_states[:, slot].clone()
     cache.start(request)
-    cache.commit(request, 8, slot)  # prompt end (and an interval position)
+    spare = mamba._free_checkpoint_slots[-1]
+    cache.commit(request, 8)  # prompt end (and an interval position)
+    # The checkpoint is the committed slot itself; a spare slot took its place in the ring,
+    # and the request reads its state from the checkpoint until its next row commits.
+    assert slot not in request.state.ring and spare in request.state.ring and mamba.is_read(slot)
+    src, dsts = mamba.launch(request.state)
+    assert src == slot and dsts == (spare,)
+    mamba.conv_states[:, spare], mamba.ssm_states[:, spare] = -1.0, -1.0  # the row writes its own slot
+    mamba.commit(request.state, dsts)
+    assert not mamba.is_read(slot) and request.state.committed == spare
     hit = cache.acquire(list(range(8)) + [1])
-    assert hit.position == 8
-    assert torch.equal(mamba.conv_states[:, hit.checkpoint.slot], mamba.conv_states[:, slot])
-    assert torch.equal(mamba.ssm_states[:, hit.checkpoint.slot], mamba.ssm_states[:, slot])
+    assert hit.position == 8 and hit.checkpoint.slot == slot
+    assert torch.equal(mamba.conv_states[:, slot], expected[0]) and torch.equal(mamba.ssm_states[:, slot], expected[1])
     cache.cancel(hit)
 
 
@@ -162,6 +175,27 @@ def test_checkpoint_budget_evicts_least_recently_used_and_unused_own_checkpoints
     assert positions == [5, None, 2]
 
 
+def test_a_checkpoint_a_resuming_request_reads_is_not_evicted_for_a_new_one():
+    kv, mamba, cache = make(checkpoints=1)
+    first = list(range(70, 76))
+    run_request(kv, mamba, cache, first)  # its one checkpoint, at 5 (finish)
+    hit = cache.acquire(first + [1])
+    reader = FakeRequest(prompt_token_ids=first + [1], output_token_ids=[], blocks=hit.blocks)
+    reader.state = mamba.allocate(hit.checkpoint.slot)
+    cache.resume(reader, hit)  # its first row has not committed: it still reads the checkpoint
+    run_request(kv, mamba, cache, list(range(80, 86)))  # would evict it: leaves no checkpoint instead
+    assert cache.num_checkpoints == 1 and cache.acquire(list(range(80, 86)) + [1]) is None
+    mamba.commit(reader.state, mamba.launch(reader.state)[1])  # no longer read
+    run_request(kv, mamba, cache, list(range(80, 86)))
+    positions = []
+    for tokens in (first + [2], list(range(80, 86)) + [1]):
+        found = cache.acquire(tokens)
+        positions.append(None if found is None else found.position)
+        if found is not None:
+            cache.cancel(found)
+    assert positions == [None, 5]
+
+
 def test_chunk_limit_and_commit_schedule():
     kv, mamba, cache = make(interval=8)
     assert cache.chunk_limit(0, 20, 30) == 8
@@ -175,9 +209,9 @@ def test_chunk_limit_and_commit_schedule():
     request = FakeRequest(prompt_token_ids=list(range(10)), output_token_ids=[], blocks=kv.allocate(3))
     request.state = mamba.allocate()
     assert cache.start(request) == 4  # first full block
-    assert cache.commit(request, 8, request.state.committed) == 10  # prompt end before the 3rd block
-    assert cache.commit(request, 10, request.state.committed) == 12
-    cache.finish(request, 10, None)  # untrusted state: nothing more saved
+    assert cache.commit(request, 8) == 10  # prompt end before the 3rd block
+    assert cache.commit(request, 10) == 12
+    cache.finish(request, 10, save_state=False)  # untrusted state: nothing more saved
     assert cache.num_checkpoints == 2
 
 
@@ -190,10 +224,10 @@ def test_a_request_may_place_its_prompt_end_checkpoint_later():
                           checkpoint_at=13)
     request.state = mamba.allocate()
     assert cache.start(request) == 4
-    assert cache.commit(request, 8, request.state.committed) == 12  # (interval 8 is inside [0, 13))
-    assert cache.commit(request, 12, request.state.committed) == 13
-    assert cache.commit(request, 13, request.state.committed) == 16
-    cache.finish(request, 13, None)
+    assert cache.commit(request, 8) == 12  # (interval 8 is inside [0, 13))
+    assert cache.commit(request, 12) == 13
+    assert cache.commit(request, 13) == 16
+    cache.finish(request, 13, save_state=False)
     hit = cache.acquire(tokens[:13] + [99, 98])
     assert hit is not None and hit.position == 13
     cache.cancel(hit)

@@ -239,6 +239,8 @@ def test_prompt_end_checkpoint_equals_the_state_its_prefill_produced(checkpoint)
             checkpoint_state = (engine.mamba.conv_states[:, checkpoint_slot],
                                 engine.mamba.ssm_states[:, checkpoint_slot])
             engine.prefix_cache.cancel(hit)
+            while engine.has_unfinished_requests():  # the request goes on without touching its checkpoint
+                engine.step()
     for a, b, c in zip(checkpoint_state, states[0], states[1]):
         assert torch.equal(a, b) and torch.equal(b, c)
 

@@ -145,7 +145,12 @@ def check_pools(engine, requests) -> None:
     tails = [c.tail_block for c in cache._checkpoints if c.tail_block >= 0]
     assert len(set(slots)) == len(slots) and len(set(tails)) == len(tails)
     assert not set(slots) & set(mamba._free_checkpoint_slots)
-    assert len(slots) + len(mamba._free_checkpoint_slots) == mamba.checkpoint_slots
+    # A slot the cache gave back while a resumed request reads it is free only after that.
+    released = mamba._released_while_read
+    assert not released & (set(slots) | set(mamba._free_checkpoint_slots))
+    read = {r.state.reads_checkpoint for r in requests if r.state is not None and r.state.reads_checkpoint >= 0}
+    assert released <= read <= set(slots) | released
+    assert len(slots) + len(mamba._free_checkpoint_slots) + len(released) == mamba.checkpoint_slots
 
 
 def random_workload(engine, seed: int, fail_rate: float = 0.0):

@@ -30,7 +30,7 @@ elif INTERPRET:
 else:
     pytest.skip("needs CUDA (or TRITON_INTERPRET=1 for a slow CPU run)", allow_module_level=True)
 
-from layers.kernels.triton import attention, conv1d, moe, moe_routing, norm, ssm_update  # noqa: E402
+from layers.kernels.triton import activation, attention, conv1d, moe, moe_routing, norm, ssm_update  # noqa: E402
 
 LOW = torch.float16 if INTERPRET else torch.bfloat16
 DTYPES = [LOW, torch.float32]
@@ -109,6 +109,24 @@ def test_rms_norm(dtype: torch.dtype, weight_in_fp32: bool, shape: tuple[int, ..
     expected = ref.rms_norm(x, weight, 1e-6, weight_in_fp32)
     assert out.dtype == expected.dtype
     assert_close(out, expected, TOL[dtype])
+
+
+# ---------------------------------------------------------------- activation
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 7), (3, 4096), (33, 1000)])  # (the last spans several blocks, ragged)
+def test_relu_square(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    x = randn(*shape, dtype=dtype, scale=3.0)
+    x[0, 0] = float("nan")  # relu keeps a NaN (a clamp to 0 would hide it)
+    expected = torch.square(F.relu(x))
+    out = activation.relu_square(x)
+    assert out.data_ptr() == x.data_ptr()  # in place, as the op promises
+    assert torch.equal(out.isnan(), expected.isnan()) and out.isnan().sum() == 1
+    assert torch.equal(out.nan_to_num(), expected.nan_to_num())  # squared in float32, rounded once: bit-exact
+    assert (x < 0).sum() == 0 and (expected == 0).any()
+    with pytest.raises(ValueError, match="contiguous"):
+        activation.relu_square(randn(8, 8, dtype=dtype).t())
 
 
 # ---------------------------------------------------------------- conv1d

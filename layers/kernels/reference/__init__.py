@@ -1,6 +1,7 @@
 """Plain-torch reference ops (CPU and GPU): the oracle every fast kernel is tested against.
 
 This module implements every op of `layers.kernels.ops.KernelOps` with its exact signature."""
+from layers.kernels.reference.activation import relu_square
 from layers.kernels.reference.attention import paged_attention, write_kv_cache
 from layers.kernels.reference.conv1d import causal_conv1d_update, causal_conv1d_varlen, causal_conv1d_verify
 from layers.kernels.reference.moe import moe_experts, route_sigmoid_grouped, route_softmax_topk
@@ -15,6 +16,7 @@ __all__ = [
     "gated_rms_norm",
     "moe_experts",
     "paged_attention",
+    "relu_square",
     "rms_norm",
     "route_sigmoid_grouped",
     "route_softmax_topk",

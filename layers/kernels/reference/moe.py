@@ -2,6 +2,8 @@
 import torch
 import torch.nn.functional as F
 
+from layers.kernels.reference.activation import relu_square
+
 
 def route_sigmoid_grouped(
     router_logits: torch.Tensor,
@@ -43,7 +45,7 @@ def route_softmax_topk(router_logits: torch.Tensor, top_k: int) -> tuple[torch.T
 
 def _expert_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
     if activation == "relu2":
-        return torch.square(F.relu(h))
+        return relu_square(h)
     if activation == "swiglu":
         gate, up = h.chunk(2, dim=-1)
         return F.silu(gate) * up
