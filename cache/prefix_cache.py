@@ -15,7 +15,8 @@ layers) and the Mamba conv + SSM state after token p-1. So the cache has two par
   (copy-on-write: a shared block is never written).
 
 Checkpoints are taken at the end of every prompt, every `checkpoint_interval` tokens of a
-prompt (the scheduler splits prefill chunks there, `chunk_limit`), and when a request
+long prefill (at multiples of the interval, from one interval past where the prefill
+began; the scheduler splits prefill chunks there, `chunk_limit`), and when a request
 finishes or is evicted (its committed state: the next chat turn resends prompt + answer
 and resumes there; a recomputed request resumes where it was evicted). A request may place
 its prompt-end checkpoint later, inside its output (`Request.checkpoint_at`: a draft
@@ -88,6 +89,7 @@ class _Progress:
     block registered first wins), and the checkpoints it saved."""
 
     node: CachedBlock
+    begin: int  # where its prefill started: the hit's position, else 0
     saved: list[Checkpoint] = field(default_factory=list)
     resumed: Checkpoint | None = None  # the checkpoint it resumed from
 
@@ -170,24 +172,36 @@ class PrefixCache:
             self.kv.release((checkpoint.tail_block,))
         checkpoint.used = True
         self._checkpoints.move_to_end(checkpoint)
-        progress = self._progress[request] = _Progress(checkpoint.node, resumed=checkpoint)
+        progress = self._progress[request] = _Progress(checkpoint.node, hit.position, resumed=checkpoint)
         return self._next_commit(progress, hit.position, request.prompt_checkpoint)
 
     def start(self, request) -> int:
         """The request was admitted without a hit: its registration starts at the root.
         Returns the committed length at which to call `commit`."""
-        progress = self._progress[request] = _Progress(self.root)
+        progress = self._progress[request] = _Progress(self.root, 0)
         return self._next_commit(progress, 0, request.prompt_checkpoint)
 
-    def chunk_limit(self, start: int, num_tokens: int, prompt_end: int) -> int:
-        """`num_tokens`, shortened so a prefill chunk from `start` ends at the next
-        checkpoint position: an interval position inside the prompt, or the prompt's end
-        (`prompt_end`: `Request.prompt_checkpoint`) when tokens follow it (a state exists
-        only at a chunk's end)."""
-        boundary = min((start // self.interval + 1) * self.interval, prompt_end)
+    def chunk_limit(self, request, start: int, num_tokens: int) -> int:
+        """`num_tokens`, shortened so the request's prefill chunk from `start` ends at its
+        next checkpoint position: an interval position inside the prompt, or the prompt's
+        end (`Request.prompt_checkpoint`) when tokens follow it (a state exists only at a
+        chunk's end). Called before admission too (then `start` is where the prefill
+        begins)."""
+        progress = self._progress.get(request)
+        begin = start if progress is None else progress.begin
+        boundary = min(self._next_interval(begin, start), request.prompt_checkpoint)
         if start < boundary < start + num_tokens:
             return boundary - start
         return num_tokens
+
+    def _next_interval(self, begin: int, position: int) -> int:
+        """The first interval position after `position` for a prefill that began at
+        `begin`: a multiple of the interval at least one interval past `begin`. So a long
+        prefill leaves a checkpoint every interval, aligned to the same positions for every
+        request, and a short one (a chat turn resuming at the previous turn's end) is not
+        split for a checkpoint a few tokens past the one it resumed from."""
+        n = self.interval
+        return max(position // n + 1, -(-(begin + n) // n)) * n
 
     # ---- registering -----------------------------------------------------------------
     def commit(self, request, num_computed: int) -> int:
@@ -198,7 +212,8 @@ class PrefixCache:
         progress = self._progress[request]
         self._register_blocks(request, progress, num_computed)
         prompt_end = request.prompt_checkpoint
-        if num_computed == prompt_end or (num_computed < prompt_end and num_computed % self.interval == 0):
+        interval_position = num_computed == self._next_interval(progress.begin, num_computed - 1)
+        if num_computed == prompt_end or (num_computed < prompt_end and interval_position):
             self._save(request, progress, num_computed)
         return self._next_commit(progress, num_computed, prompt_end)
 
@@ -209,7 +224,7 @@ class PrefixCache:
             return NEVER  # its prefix was evicted: nothing more of it is cached
         next_block = (progress.node.depth + 1) * self.block_size
         if num_computed < prompt_end:
-            return min(next_block, (num_computed // self.interval + 1) * self.interval, prompt_end)
+            return min(next_block, self._next_interval(progress.begin, num_computed), prompt_end)
         return next_block
 
     def finish(self, request, num_computed: int, save_state: bool = True) -> None:

@@ -318,7 +318,7 @@ class Scheduler:
         if n <= 0:
             return None
         if self.cache is not None:
-            n = self.cache.chunk_limit(start, n, request.prompt_checkpoint)
+            n = self.cache.chunk_limit(request, start, n)
         self._reserve(request, start + n)
         return ScheduledChunk(request, start, n, samples=start + n == end)
 

@@ -198,14 +198,18 @@ def test_a_checkpoint_a_resuming_request_reads_is_not_evicted_for_a_new_one():
 
 def test_chunk_limit_and_commit_schedule():
     kv, mamba, cache = make(interval=8)
-    assert cache.chunk_limit(0, 20, 30) == 8
-    assert cache.chunk_limit(8, 20, 30) == 8
-    assert cache.chunk_limit(3, 4, 30) == 4  # does not reach a boundary
-    assert cache.chunk_limit(20, 4, 24) == 4  # ends at the prompt's end
+
+    def limit(start: int, num_tokens: int, prompt_len: int) -> int:  # (a request not admitted yet)
+        return cache.chunk_limit(FakeRequest(list(range(prompt_len)), []), start, num_tokens)
+
+    assert limit(0, 20, 30) == 8
+    assert limit(8, 20, 30) == 8
+    assert limit(3, 4, 30) == 4  # does not reach a boundary
+    assert limit(20, 4, 24) == 4  # ends at the prompt's end
     # Tokens after the prompt's end (a recomputed request's output, a draft proposal's
     # in-flight drafts): the chunk splits there, where the prompt-end checkpoint goes.
-    assert cache.chunk_limit(20, 20, 24) == 4
-    assert cache.chunk_limit(24, 20, 24) == 20
+    assert limit(20, 20, 24) == 4
+    assert limit(24, 20, 24) == 20
     request = FakeRequest(prompt_token_ids=list(range(10)), output_token_ids=[], blocks=kv.allocate(3))
     request.state = mamba.allocate()
     assert cache.start(request) == 4  # first full block
@@ -213,6 +217,27 @@ def test_chunk_limit_and_commit_schedule():
     assert cache.commit(request, 10) == 12
     cache.finish(request, 10, save_state=False)  # untrusted state: nothing more saved
     assert cache.num_checkpoints == 2
+
+
+def test_interval_checkpoints_lie_an_interval_past_where_the_prefill_began():
+    """A prefill resuming at 11 (interval 8) is not split for a checkpoint at 16, five
+    tokens past its start: its first interval checkpoint is at 24."""
+    kv, mamba, cache = make(interval=8)
+    first = list(range(100, 112))
+    run_request(kv, mamba, cache, first)  # checkpoints at 8 (interval) and 11 (finish)
+    second = first + list(range(200, 220))
+    hit = cache.acquire(second)
+    assert hit.position == 11
+    pending = FakeRequest(prompt_token_ids=second, output_token_ids=[])
+    assert cache.chunk_limit(pending, 11, 21) == 13  # ends at 24, not 16
+    cache.cancel(hit)
+    run_request(kv, mamba, cache, second, hit=cache.acquire(second))  # saves at 24 and 31 (finish)
+    positions = []
+    for length in (20, 26):
+        found = cache.acquire(second[:length] + [999])
+        positions.append(found.position)
+        cache.cancel(found)
+    assert positions == [11, 24]
 
 
 def test_a_request_may_place_its_prompt_end_checkpoint_later():
