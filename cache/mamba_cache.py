@@ -47,7 +47,9 @@ class RequestState:
     ring: tuple[int, ...]  # its state slots: bank b is ring[b * row_positions:(b + 1) * row_positions]
     committed: int  # the slot holding the committed state
     head: int  # the slot the newest live launched row leaves its last state in (else `committed`)
-    reads_checkpoint: int = -1  # the checkpoint slot it resumed from, until its first row commits
+    # A checkpoint slot holding its committed state (it resumed from it, or handed its
+    # committed slot to the cache), read in place until its next row commits; else -1.
+    reads_checkpoint: int = -1
 
 
 class MambaStateAllocator:
@@ -89,8 +91,8 @@ class MambaStateAllocator:
         self._free_slots: list[int] = list(range(request_slots - 1, -1, -1))
         self._free_checkpoint_slots: list[int] = list(range(num_slots - 1, request_slots - 1, -1))
         self.checkpoint_slots = checkpoint_slots
-        # Checkpoint slots that resumed requests read (how many read each), and those of
-        # them the cache gave back meanwhile: free once nobody reads them.
+        # Checkpoint slots that requests read in place (`reads_checkpoint`; how many read
+        # each), and those of them the cache gave back meanwhile: free once nobody reads them.
         self._checkpoint_readers: Counter[int] = Counter()
         self._released_while_read: set[int] = set()
         # The bank a row reading slot s writes, and its first slot as an array: one table
@@ -155,24 +157,19 @@ class MambaStateAllocator:
         return self._free_checkpoint_slots.pop() if self._free_checkpoint_slots else None
 
     def free_checkpoint_slot(self, slot: int) -> None:
-        """Give a checkpoint slot back: free now, or once no resumed request reads it."""
+        """Give a checkpoint slot back: free now, or once no request reads it in place."""
         if self._checkpoint_readers[slot]:
             self._released_while_read.add(slot)
         else:
             self._free_checkpoint_slots.append(slot)
 
     def is_read(self, slot: int) -> bool:
-        """Whether a resumed request may still read this checkpoint slot (its first row has
-        not committed): the cache evicts other checkpoints first."""
+        """Whether a request may still read this checkpoint slot in place (no row of it has
+        committed since it started reading): the cache evicts other checkpoints first."""
         return self._checkpoint_readers[slot] > 0
 
-    @property
-    def num_free_checkpoint_slots(self) -> int:
-        """Checkpoint slots nobody holds or reads."""
-        return len(self._free_checkpoint_slots)
-
     def _stop_reading_checkpoint(self, state: RequestState) -> None:
-        """The request no longer needs its checkpoint (its first row committed, or it is
+        """The request no longer needs its checkpoint (a row of it committed, or it is
         freed): release the slot if the cache gave it back meanwhile."""
         slot, state.reads_checkpoint = state.reads_checkpoint, -1
         self._checkpoint_readers[slot] -= 1
@@ -182,22 +179,24 @@ class MambaStateAllocator:
                 self._released_while_read.remove(slot)
                 self._free_checkpoint_slots.append(slot)
 
-    def hand_over(self, state: RequestState, spare: int) -> int:
+    def hand_over(self, state: RequestState, spare: int, goes_on: bool = True) -> int:
         """Make the request's committed state a checkpoint without copying it: `spare` (a
-        free checkpoint slot) takes the committed slot's place in the request's ring, and
-        the request reads its committed state from the checkpoint until its next row
-        commits, as a resumed request does (an in-flight row reads it there already: it is
-        never written again). Returns the checkpoint's slot: the committed one, or `spare`
-        holding a copy when the request still reads a checkpoint itself (no row committed
-        since it resumed)."""
+        free checkpoint slot) takes the committed slot's place in the request's ring. A
+        request that `goes_on` reads its committed state from the checkpoint until its next
+        row commits, as a resumed request does; one that ends launches nothing more (a row
+        already in flight reads the slot before anything launched later can write it). No
+        row writes a committed slot, so the checkpoint is never written again. Returns the
+        checkpoint's slot: the committed one, or `spare` holding a copy when the committed
+        state is itself a checkpoint the request reads (no row has committed since)."""
         slot = state.committed
         if state.reads_checkpoint >= 0:
             self.copy_state(slot, spare)
             return spare
         state.ring = tuple(spare if s == slot else s for s in state.ring)
         self._link_banks(state.ring)
-        state.reads_checkpoint = slot
-        self._checkpoint_readers[slot] += 1
+        if goes_on:
+            state.reads_checkpoint = slot
+            self._checkpoint_readers[slot] += 1
         return slot
 
     def copy_state(self, src: int, dst: int) -> None:
@@ -213,9 +212,10 @@ class MambaStateAllocator:
     def launch(self, state: RequestState, num_positions: int = 1) -> tuple[int, tuple[int, ...]]:
         """(src, dsts) of a newly launched row of `num_positions` tokens: it reads the
         request's head and writes the state after each position into `dsts`; its last
-        position's state becomes the head (what a following launch-ahead row reads)."""
+        position's state becomes the head (what a following launch-ahead row reads). A row
+        reading a checkpoint in place writes the first bank (nothing there is needed)."""
         src = state.head
-        if src == state.reads_checkpoint:  # a resumed request's first row: it writes its first bank
+        if src == state.reads_checkpoint:  # (the checkpoint is in no ring: no `_bank_after` entry)
             dsts = state.ring[:num_positions]
         else:
             dsts = self._bank_after[src][:num_positions]
@@ -237,10 +237,6 @@ class MambaStateAllocator:
         """The request's newest launched row is rejected (its older rows have all retired):
         the committed state is the head again; nothing is copied."""
         state.head = state.committed
-
-    def committed_slot(self, state: RequestState) -> int:
-        """The slot holding the request's committed state."""
-        return state.committed
 
     def following_slots(self, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(src, dst) of the next one-position rows of requests whose current rows write `dst`."""

@@ -32,8 +32,9 @@ most `len(tokens) - 1` (the last token is always computed: it yields the first l
 The resumed request's first row reads the checkpoint's state in place (no copy).
 Eviction is least recently used: checkpoints when the checkpoint slots run out (a
 finished request's own checkpoints that nobody used go first: its finish checkpoint is
-deeper on the same prefix; one a resuming request still reads is passed over), blocks when the KV pool runs short (a block's eviction drops
-the nodes under it and every checkpoint attached there).
+deeper on the same prefix; one a request still reads in place is passed over), blocks
+when the KV pool runs short (a block's eviction drops the nodes under it and every
+checkpoint attached there).
 """
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -89,9 +90,13 @@ class _Progress:
     block registered first wins), and the checkpoints it saved."""
 
     node: CachedBlock
-    begin: int  # where its prefill started: the hit's position, else 0
     saved: list[Checkpoint] = field(default_factory=list)
     resumed: Checkpoint | None = None  # the checkpoint it resumed from
+
+    @property
+    def begin(self) -> int:
+        """Where its prefill began: the hit's position, else 0."""
+        return 0 if self.resumed is None else self.resumed.position
 
 
 class PrefixCache:
@@ -172,13 +177,13 @@ class PrefixCache:
             self.kv.release((checkpoint.tail_block,))
         checkpoint.used = True
         self._checkpoints.move_to_end(checkpoint)
-        progress = self._progress[request] = _Progress(checkpoint.node, hit.position, resumed=checkpoint)
+        progress = self._progress[request] = _Progress(checkpoint.node, resumed=checkpoint)
         return self._next_commit(progress, hit.position, request.prompt_checkpoint)
 
     def start(self, request) -> int:
         """The request was admitted without a hit: its registration starts at the root.
         Returns the committed length at which to call `commit`."""
-        progress = self._progress[request] = _Progress(self.root, 0)
+        progress = self._progress[request] = _Progress(self.root)
         return self._next_commit(progress, 0, request.prompt_checkpoint)
 
     def chunk_limit(self, request, start: int, num_tokens: int) -> int:
@@ -249,7 +254,7 @@ class PrefixCache:
             # A stop among accepted drafts: the state includes drafts after the stop token,
             # which are not the request's tokens.
             return
-        final = self._save(request, progress, num_computed)
+        final = self._save(request, progress, num_computed, goes_on=False)
         if final is None:
             return
         for checkpoint in progress.saved:
@@ -275,10 +280,11 @@ class PrefixCache:
             node = child
         progress.node = node
 
-    def _save(self, request, progress: _Progress, position: int) -> Checkpoint | None:
+    def _save(self, request, progress: _Progress, position: int, goes_on: bool = True) -> Checkpoint | None:
         """Checkpoint the request's committed state at `position`, unless one is there
         (then that one is returned, as recently used); None if none can be made. The
-        checkpoint takes the committed slot itself (`MambaStateAllocator.hand_over`)."""
+        checkpoint takes the committed slot itself (`MambaStateAllocator.hand_over`; a
+        request that `goes_on` reads it in place until its next row commits)."""
         node = progress.node
         if not node.alive or node.depth != position // self.block_size:
             return None
@@ -306,7 +312,7 @@ class PrefixCache:
                 self.mamba.free_checkpoint_slot(slot)
                 return None
             self.kv.copy_block(request.blocks[node.depth], tail_block)
-        slot = self.mamba.hand_over(request.state, slot)
+        slot = self.mamba.hand_over(request.state, slot, goes_on)
         checkpoint = Checkpoint(position, node, tail, tail_block, slot)
         node.checkpoints[tail] = checkpoint
         self._checkpoints[checkpoint] = None

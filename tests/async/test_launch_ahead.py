@@ -150,7 +150,7 @@ def test_rejected_launch_restores_mamba_state_bit_exactly():
         assert result is not ahead  # rate 1.0 rejects every launch-ahead
         for r, conv, ssm in snapshots.values():
             if not r.finished:
-                slot = mamba.committed_slot(r.state)
+                slot = r.state.committed
                 assert torch.equal(mamba.conv_states[:, slot], conv)
                 assert torch.equal(mamba.ssm_states[:, slot], ssm)
                 checked.append(r.request_id)

@@ -68,7 +68,7 @@ def test_single_copy_updates_in_place():
         src, dsts = m.launch(state)
         assert (src, dsts) == (slot, (slot,))
         m.commit(state, dsts)
-    assert m.committed_slot(state) == slot == state.head
+    assert state.committed == slot == state.head
 
 
 def test_ping_pong_never_writes_what_a_rejection_needs():
@@ -79,19 +79,19 @@ def test_ping_pong_never_writes_what_a_rejection_needs():
     src, dsts = m.launch(state)
     assert (src, dsts) == (a, (b,))
     m.commit(state, dsts)
-    assert m.committed_slot(state) == b
+    assert state.committed == b
     # Two rows in flight: the second reads what the first writes.
     first, second = m.launch(state), m.launch(state)
     assert (first, second) == ((b, (a,)), (a, (b,)))
     m.commit(state, first[1])
-    assert m.committed_slot(state) == a and state.head == b
+    assert state.committed == a and state.head == b
     # The second row rejected: the first row's copy stays committed and is the head again.
     m.reject(state)
-    assert m.committed_slot(state) == a == state.head
+    assert state.committed == a == state.head
     # A lone row rejected: the committed copy was only read.
     assert m.launch(state) == (a, (b,))
     m.reject(state)
-    assert m.committed_slot(state) == a == state.head
+    assert state.committed == a == state.head
 
 
 def test_verify_rows_keep_every_position_a_commit_can_need():
@@ -122,7 +122,7 @@ def test_verify_rows_keep_every_position_a_commit_can_need():
         accepted = rng.randint(0, len(dsts) - 1)
         m.commit(state, dsts, accepted)
         committed_label = labels[accepted]
-        assert content[m.committed_slot(state)] == committed_label, step
+        assert content[state.committed] == committed_label, step
         if accepted < len(dsts) - 1:  # partial: the row launched on top of it is rejected
             if inflight:
                 inflight.pop()
@@ -194,6 +194,18 @@ def test_hand_over_makes_the_committed_slot_a_checkpoint_without_a_copy(banks, p
     assert committed not in m._free_slots and spare in m._free_slots  # the pools swapped one slot each
 
 
+def test_a_request_that_ends_hands_over_its_slot_without_reading_it():
+    m = make(2, banks=2, checkpoints=1)
+    state = m.allocate()
+    m.take_new_slots()
+    m.commit(state, m.launch(state)[1])
+    committed, spare = state.committed, m.take_checkpoint_slot()
+    assert m.hand_over(state, spare, goes_on=False) == committed
+    assert not m.is_read(committed) and spare in state.ring and committed not in state.ring
+    m.free_checkpoint_slot(committed)  # evictable at once: it is free again, not deferred
+    assert m.take_checkpoint_slot() == committed
+
+
 def test_hand_over_copies_when_the_request_still_reads_a_checkpoint():
     m = make(2, checkpoints=2)
     checkpoint = m.take_checkpoint_slot()
@@ -210,14 +222,14 @@ def test_a_checkpoint_given_back_while_read_is_free_only_after_its_readers(ends)
     checkpoint = m.take_checkpoint_slot()
     readers = [m.allocate(resume_from=checkpoint), m.allocate(resume_from=checkpoint)]
     m.free_checkpoint_slot(checkpoint)  # the cache evicted it while two requests read it
-    assert m.num_free_checkpoint_slots == 1 and m.take_checkpoint_slot() != checkpoint
+    assert len(m._free_checkpoint_slots) == 1 and m.take_checkpoint_slot() != checkpoint
     for i, state in enumerate(readers):
-        assert m.num_free_checkpoint_slots == 0 and m.is_read(checkpoint)
+        assert len(m._free_checkpoint_slots) == 0 and m.is_read(checkpoint)
         if ends == "commit":
             m.commit(state, m.launch(state)[1])
         else:
             m.free(state)
-    assert not m.is_read(checkpoint) and m.num_free_checkpoint_slots == 1
+    assert not m.is_read(checkpoint) and len(m._free_checkpoint_slots) == 1
     assert m.take_checkpoint_slot() == checkpoint
 
 

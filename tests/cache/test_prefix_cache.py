@@ -228,10 +228,18 @@ def test_interval_checkpoints_lie_an_interval_past_where_the_prefill_began():
     second = first + list(range(200, 220))
     hit = cache.acquire(second)
     assert hit.position == 11
-    pending = FakeRequest(prompt_token_ids=second, output_token_ids=[])
-    assert cache.chunk_limit(pending, 11, 21) == 13  # ends at 24, not 16
-    cache.cancel(hit)
-    run_request(kv, mamba, cache, second, hit=cache.acquire(second))  # saves at 24 and 31 (finish)
+    request = FakeRequest(prompt_token_ids=second, output_token_ids=[], blocks=hit.blocks)
+    assert cache.chunk_limit(request, 11, 21) == 13  # (before admission) ends at 24, not 16
+    request.state = mamba.allocate(hit.checkpoint.slot)
+    commit_at = cache.resume(request, hit)
+    request.blocks += kv.allocate(kv.blocks_for(len(second)) - len(request.blocks))
+    # The token budget cuts the first chunk at 20: the next one still ends at 24.
+    assert cache.chunk_limit(request, 20, 12) == 4
+    for end in (20, 24, 32):  # the chunk ends; the state each leaves is committed
+        mamba.commit(request.state, mamba.launch(request.state)[1])
+        if end >= commit_at:
+            commit_at = cache.commit(request, end)
+    cache.finish(request, 32)
     positions = []
     for length in (20, 26):
         found = cache.acquire(second[:length] + [999])

@@ -230,7 +230,7 @@ def test_prompt_end_checkpoint_equals_the_state_its_prefill_produced(checkpoint)
         engine = engine_for(path, kv_block_size=4, async_scheduling=False, enable_prefix_caching=caching)
         engine.add_request("r", prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
         engine.step()  # the whole prompt in one chunk: its state is committed
-        slot = engine.mamba.committed_slot(engine.scheduler.running[0].state)
+        slot = engine.scheduler.running[0].state.committed
         states.append((engine.mamba.conv_states[:, slot].clone(), engine.mamba.ssm_states[:, slot].clone()))
         if caching:
             hit = engine.prefix_cache.acquire(prompt + [5])

@@ -38,11 +38,11 @@ def test_admit_launch_retire_commit():
     assert [(c.start, c.num_tokens, c.samples) for c in out.prefills] == [(0, 5, True)]
     assert (r.num_scheduled, r.pending_samples, r.inflight, r.launch_row, r.num_computed) == (5, 1, 1, 0, 0)
     assert len(r.blocks) == 2
-    committed = s.mamba.committed_slot(r.state)
+    committed = r.state.committed
     retired = s.retire(out.chunks, [True], [42], None)
     assert retired.advanced == [r] and not retired.finished
     assert r.output_token_ids == [42] and (r.num_computed, r.pending_samples, r.inflight) == (5, 0, 0)
-    assert s.mamba.committed_slot(r.state) != committed  # the copy the row wrote is now current
+    assert r.state.committed != committed  # the copy the row wrote is now current
     # Next: a decode row whose input (42) is on the host.
     out = s.schedule()
     assert [(c.start, c.num_tokens) for c in out.decodes] == [(5, 1)] and out.decodes[0].prev_row == 0
@@ -56,12 +56,12 @@ def test_reject_rolls_back_and_commits_nothing():
     ahead = s.schedule(allow_evict=False)  # launch-ahead: the decode row of the in-flight sample
     assert [(c.start, c.num_tokens) for c in ahead.decodes] == [(5, 1)] and r.inflight == 2
     s.retire(first.chunks, [True], [42], None)
-    after_first = s.mamba.committed_slot(r.state)
+    after_first = r.state.committed
     s.reject(ahead.decodes[0])
     assert (r.num_scheduled, r.pending_samples) == (5, 0)
     s.retire(ahead.chunks, [False], [7], None)
     assert r.output_token_ids == [42] and r.inflight == 0
-    assert s.mamba.committed_slot(r.state) == after_first
+    assert r.state.committed == after_first
 
 
 def test_pause_then_evict_when_nothing_fits():

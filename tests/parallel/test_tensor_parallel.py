@@ -107,8 +107,8 @@ def test_expert_parallel_equals_tensor_parallel(nemotron):
 def test_granite_two_ranks_speculative_and_prefix_cache_match_hf(granite):
     """Granite (RoPE, shared MLP, logit scaling) at 2 ranks with drafts (HF's answer, every
     other one corrupted: verify rows accept a prefix, the state rolls back), then a second
-    round that resumes from the prefix cache (its state and KV copies are replayed on the
-    worker) with penalties (the token history written from the cached prefix)."""
+    round that resumes from the prefix cache (its KV tail copies are replayed on the worker;
+    the Mamba state is read in place) with penalties (the token history written from the cached prefix)."""
     ids = [f"generate-{i}" for i in range(len(granite.prompts))]
     truth = {rid: p + t for rid, p, t in zip(ids, granite.prompts, granite.tokens)}
     proposer = PartialProposer(truth, rate=0.3, vocab_size=96)

@@ -203,7 +203,7 @@ def _committed_states(engine, record_all: bool) -> dict:
         retired = retire(handle, samples)
         for r in (retired.advanced if record_all else retired.mispredicted):
             if r.state is not None:
-                slot = engine.mamba.committed_slot(r.state)
+                slot = r.state.committed
                 states[(r.request_id, r.num_computed)] = (engine.mamba.conv_states[:, slot].clone(),
                                                           engine.mamba.ssm_states[:, slot].clone())
         return retired
