@@ -42,10 +42,10 @@ class PagedAttention(nn.Module):
         kv_shard = block_shard(0, num_kv_heads * head_dim, [(0, head_dim, kv_start, kv_stop)])
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads // tp.world_size, kv_stop - kv_start, head_dim
         self.scale = scale
-        self.q_proj = ColumnParallelLinear(hidden_size, tp.shard(0, num_heads, unit=head_dim), bias=bias)
-        self.k_proj = ColumnParallelLinear(hidden_size, kv_shard, bias=bias)
-        self.v_proj = ColumnParallelLinear(hidden_size, kv_shard, bias=bias)
-        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=bias, tp=tp)
+        self.q_proj = ColumnParallelLinear(hidden_size, tp.shard(0, num_heads, unit=head_dim), bias=bias, ops=ops)
+        self.k_proj = ColumnParallelLinear(hidden_size, kv_shard, bias=bias, ops=ops)
+        self.v_proj = ColumnParallelLinear(hidden_size, kv_shard, bias=bias, ops=ops)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=bias, ops=ops, tp=tp)
         self.rotary = rotary
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 

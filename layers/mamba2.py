@@ -75,7 +75,7 @@ class Mamba2Mixer(nn.Module):
         # scan and not in its recurrent (decode) update; mamba-ssm does the same.
         self.dt_limit = dt_limit
         self.norm_eps = norm_eps
-        self.in_proj = ColumnParallelLinear(hidden_size, in_shard, bias=proj_bias)
+        self.in_proj = ColumnParallelLinear(hidden_size, in_shard, bias=proj_bias, ops=ops)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=use_conv_bias)
         for param in self.conv1d.parameters():
             set_shard(param, conv_shard)
@@ -89,7 +89,7 @@ class Mamba2Mixer(nn.Module):
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(self.d_ssm))
         set_shard(self.norm.weight, tp.shard(0, num_heads, unit=head_dim))
-        self.out_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=proj_bias, tp=tp)
+        self.out_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=proj_bias, ops=ops, tp=tp)
         self.conv_state: torch.Tensor | None = None  # [slots, conv_dim, K-1]
         self.ssm_state: torch.Tensor | None = None  # [slots, heads, head_dim, state] (mamba_ssm_cache_dtype)
 

@@ -48,8 +48,8 @@ class Relu2MLP(_ParallelMLP):
                  tp: ParallelContext = SINGLE):
         super().__init__()
         self.ops = ops
-        self.up_proj = ColumnParallelLinear(hidden_size, tp.shard(0, intermediate_size), bias=bias)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp=tp)
+        self.up_proj = ColumnParallelLinear(hidden_size, tp.shard(0, intermediate_size), bias=bias, ops=ops)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, ops=ops, tp=tp)
 
     def _hidden(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.relu_square(self.up_proj(x))
@@ -69,11 +69,11 @@ class SwiGLUMLP(_ParallelMLP):
 
     down_name = "output_linear"
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, tp: ParallelContext = SINGLE):
+    def __init__(self, hidden_size: int, intermediate_size: int, *, ops: KernelOps, tp: ParallelContext = SINGLE):
         super().__init__()
         self.input_linear = ColumnParallelLinear(
-            hidden_size, tp.shard(0, intermediate_size, pieces=(0, intermediate_size)), bias=False)
-        self.output_linear = RowParallelLinear(intermediate_size, hidden_size, bias=False, tp=tp)
+            hidden_size, tp.shard(0, intermediate_size, pieces=(0, intermediate_size)), bias=False, ops=ops)
+        self.output_linear = RowParallelLinear(intermediate_size, hidden_size, bias=False, ops=ops, tp=tp)
 
     def _hidden(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.input_linear(x).chunk(2, dim=-1)

@@ -8,8 +8,8 @@ weights (heads, groups, channels, experts or vocabulary rows) and calls `all_red
 tensor is cut from the full one (`set_shard`); the loader and the dummy initializer apply
 that cut (`Shard.cut`) to full checkpoint tensors, so every rank loads the same files and
 random weights are the same model at every N. World size 1 (`SINGLE`) makes every
-collective a no-op and every cut the identity (and the modules below run the plain
-torch modules' kernels).
+collective a no-op and every cut the identity. The linear layers run their op set's
+`linear` (a reference `F.linear`, or the fast op's few-row kernel at decode).
 
 The sharded building blocks: `ColumnParallelLinear` (output rows cut),
 `RowParallelLinear` (input columns cut, outputs summed), `VocabParallelEmbedding` and
@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from layers.kernels.ops import KernelOps
 
 # all_gather_single is the current name of all_gather_into_tensor (torch >= 2.10).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -164,29 +166,34 @@ SINGLE = ParallelContext()
 
 class ColumnParallelLinear(nn.Linear):
     """A linear layer holding the output rows `shard` (dim 0) of the full one, bias alike;
-    its output is this rank's slice of the full output (no collective)."""
+    its output is this rank's slice of the full output (no collective). Runs `ops.linear`."""
 
-    def __init__(self, in_features: int, shard: Shard, bias: bool = False):
+    def __init__(self, in_features: int, shard: Shard, bias: bool = False, *, ops: KernelOps):
         super().__init__(in_features, shard.local_size, bias=bias)
+        self.ops = ops
         set_shard(self.weight, shard)
         if self.bias is not None:
             set_shard(self.bias, shard)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(x, self.weight, self.bias)
+
 
 class RowParallelLinear(nn.Linear):
     """A linear layer holding this rank's even share of the input columns; its output is
-    summed over the ranks, the bias added once after the sum."""
+    summed over the ranks, the bias added once after the sum. Runs `ops.linear`."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, tp: ParallelContext = SINGLE):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, ops: KernelOps,
+                 tp: ParallelContext = SINGLE):
         start, stop = tp.split(in_features)
         super().__init__(stop - start, out_features, bias=bias)
-        self.tp = tp
+        self.ops, self.tp = ops, tp
         set_shard(self.weight, tp.shard(1, in_features))
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's unreduced share of the output (no bias): a block that sums several
         partial results reduces them once with `reduce`."""
-        return F.linear(x, self.weight)
+        return self.ops.linear(x, self.weight)
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The full output from the ranks' partial sums: all_reduce, then the bias."""
@@ -195,7 +202,7 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.tp.is_parallel:
-            return super().forward(x)  # world size 1: the plain linear's kernel
+            return self.ops.linear(x, self.weight, self.bias)  # world size 1: bias inside the GEMM
         return self.reduce(self.partial(x))
 
 
@@ -220,16 +227,17 @@ class VocabParallelEmbedding(nn.Embedding):
 
 class ParallelLMHead(nn.Linear):
     """The LM head with the vocabulary rows split like `VocabParallelEmbedding` (so tied
-    embeddings share one shard); returns the full [rows, vocab] logits on every rank."""
+    embeddings share one shard); returns the full [rows, vocab] logits on every rank. Runs
+    `ops.linear`."""
 
-    def __init__(self, hidden_size: int, vocab_size: int, *, tp: ParallelContext = SINGLE):
+    def __init__(self, hidden_size: int, vocab_size: int, *, ops: KernelOps, tp: ParallelContext = SINGLE):
         shard = tp.padded_shard(vocab_size)
         super().__init__(hidden_size, shard.local_size, bias=False)
-        self.tp, self.vocab_size = tp, vocab_size
+        self.ops, self.tp, self.vocab_size = ops, tp, vocab_size
         set_shard(self.weight, shard)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().forward(hidden)
+        logits = self.ops.linear(hidden, self.weight)
         if not self.tp.is_parallel:
             return logits
         # Contiguous rows past the last rank's padding (a no-op when the vocabulary divides).

@@ -120,7 +120,7 @@ def build_layer(c: HybridConfig) -> Layer:
                                            ops=FAST_OPS), None)
             else:
                 layer = Layer(GraniteMoE(c.hidden_size, c.num_experts, c.top_k, c.moe_intermediate_size, ops=FAST_OPS),
-                              SwiGLUMLP(c.hidden_size, c.intermediate_size))
+                              SwiGLUMLP(c.hidden_size, c.intermediate_size, ops=FAST_OPS))
     finally:
         torch.set_default_dtype(default)
     with torch.no_grad():

@@ -66,7 +66,7 @@ class HybridForCausalLM(nn.Module):
         self.model.layers = nn.ModuleList(self.block(c, kind, ops=ops, tp=tp) for kind in c.layer_types)
         self.model.add_module(self.final_norm_name,
                               RMSNorm(c.hidden_size, c.norm_eps, ops=ops, weight_in_fp32=self.norm_weight_in_fp32))
-        self.lm_head = ParallelLMHead(c.hidden_size, c.vocab_size, tp=tp)
+        self.lm_head = ParallelLMHead(c.hidden_size, c.vocab_size, ops=ops, tp=tp)
 
     def forward(self, input_ids: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm for the packed step tokens.

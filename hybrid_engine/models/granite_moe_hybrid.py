@@ -40,7 +40,7 @@ class GraniteBlock(nn.Module):
             GraniteMoE(c.hidden_size, c.num_experts, c.top_k, c.moe_intermediate_size, ops=ops, tp=tp)
             if c.num_experts else None
         )
-        self.shared_mlp = SwiGLUMLP(c.hidden_size, c.intermediate_size, tp=tp)
+        self.shared_mlp = SwiGLUMLP(c.hidden_size, c.intermediate_size, ops=ops, tp=tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: ForwardMeta) -> tuple[torch.Tensor, torch.Tensor]:

@@ -45,6 +45,11 @@ class KernelOps(Protocol):
         """Mamba-2 output norm rmsnorm_per_group(x * silu(z)) * weight (norm after gating).
         x, z: [T, D] (any row stride); weight: [D]; statistics per `group_size` channels."""
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight^T (+ bias), as `F.linear`: x [..., K], weight [N, K], bias [N] or None;
+        the result [..., N] in x's dtype, float32 accumulation. Any row count; the fast op
+        has its own kernel for the few rows of a decode step."""
+
     def relu_square(self, x: torch.Tensor) -> torch.Tensor:
         """relu(x)^2 elementwise (NemotronH's MLP activation), squared in float32 and rounded
         once to x's dtype, as torch.square(F.relu(x)) rounds. Written over x -- the caller's

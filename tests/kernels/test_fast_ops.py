@@ -30,7 +30,9 @@ elif INTERPRET:
 else:
     pytest.skip("needs CUDA (or TRITON_INTERPRET=1 for a slow CPU run)", allow_module_level=True)
 
-from layers.kernels.triton import activation, attention, conv1d, moe, moe_routing, norm, ssm_update  # noqa: E402
+import triton  # noqa: E402
+
+from layers.kernels.triton import activation, attention, conv1d, linear, moe, moe_routing, norm, ssm_update  # noqa: E402
 
 LOW = torch.float16 if INTERPRET else torch.bfloat16
 DTYPES = [LOW, torch.float32]
@@ -127,6 +129,38 @@ def test_relu_square(dtype: torch.dtype, shape: tuple[int, int]) -> None:
     assert (x < 0).sum() == 0 and (expected == 0).any()
     with pytest.raises(ValueError, match="contiguous"):
         activation.relu_square(randn(8, 8, dtype=dtype).t())
+
+
+# ---------------------------------------------------------------- linear
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17])  # 17: past MAX_ROWS, F.linear
+@pytest.mark.parametrize("shape", [(17000, 300), (16900, 64), (100, 300)])  # (N, K): ragged tiles; narrow: F.linear
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear(rows: int, shape: tuple[int, int], with_bias: bool) -> None:
+    n, k = shape
+    x = randn(rows, k, dtype=LOW)
+    weight = randn(n, k, dtype=LOW, scale=k ** -0.5)
+    bias = randn(n, dtype=LOW) if with_bias else None
+    wide = triton.cdiv(n, linear.BLOCK_N) >= 2 * linear._sm_count(weight.device)
+    assert wide == (n > 10000)  # (an H100 has 132 SMs, a smaller GPU fewer)
+    assert linear.takes_kernel(x, weight, bias) == (rows <= linear.MAX_ROWS and wide)
+    expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    out = linear.linear(x, weight, bias)
+    assert out.dtype == LOW
+    assert_close(out.float(), expected, TOL[LOW])
+    # Leading dims and a strided row view keep their meaning.
+    batched = randn(2, rows, 2 * k, dtype=LOW)[..., :k]
+    assert_close(linear.linear(batched, weight, bias).float(),
+                 F.linear(batched.float(), weight.float(), None if bias is None else bias.float()), TOL[LOW])
+
+
+def test_linear_float32_is_torch() -> None:
+    """float32 (and a weight of another dtype) goes to F.linear: bit for bit torch's."""
+    x, weight = randn(4, 64), randn(17000, 64)
+    assert not linear.takes_kernel(x, weight, None)
+    assert torch.equal(linear.linear(x, weight), F.linear(x, weight))
+    assert not linear.takes_kernel(x.to(LOW), weight, None)
 
 
 # ---------------------------------------------------------------- conv1d

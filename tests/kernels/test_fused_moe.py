@@ -90,8 +90,11 @@ def test_routers_reject_impossible_configs() -> None:
 # ---------------------------------------------------------------- alignment
 
 
+# The later ones span several align programs (`chunk_sizes`: 32-pair chunks up to 2,048
+# pairs, 512- and 1,024-pair chunks in the last two, a prefill's sizes).
 ALIGN_CASES = [(1, 8, 2, 0, 16), (1, 64, 6, 2, 16), (5, 8, 2, 2, 16), (40, 16, 6, 1, 32), (300, 64, 6, 2, 16),
-               (260, 8, 2, 3, 128), (100, 130, 8, 0, 64)]  # the last ones span several align programs
+               (260, 8, 2, 3, 128), (100, 130, 8, 0, 64),
+               pytest.param(2100, 64, 6, 2, 64, marks=needs_cuda), pytest.param(9000, 32, 4, 0, 128, marks=needs_cuda)]
 
 
 @pytest.mark.parametrize("tokens,experts,top_k,chunks,block_m", ALIGN_CASES)
@@ -225,7 +228,7 @@ def _layers(dtype: torch.dtype) -> dict[str, tuple[torch.nn.Module, torch.nn.Mod
         fast_layer = make(FAST_OPS)
         fast_layer.load_state_dict(reference.state_dict())
         built[name] = (fast_layer.to(DEVICE, dtype), reference.to(DEVICE, dtype), ())
-    shared = SwiGLUMLP(128, 96)
+    shared = SwiGLUMLP(128, 96, ops=REFERENCE_OPS)
     _randomize(shared)
     granite_fast, granite_ref, _ = built["granite"]
     built["granite_shared"] = (granite_fast, granite_ref, (shared.to(DEVICE, dtype),))

@@ -4,6 +4,7 @@ This module implements every op of `layers.kernels.ops.KernelOps` with its exact
 from layers.kernels.reference.activation import relu_square
 from layers.kernels.reference.attention import paged_attention, write_kv_cache
 from layers.kernels.reference.conv1d import causal_conv1d_update, causal_conv1d_varlen, causal_conv1d_verify
+from layers.kernels.reference.linear import linear
 from layers.kernels.reference.moe import moe_experts, route_sigmoid_grouped, route_softmax_topk
 from layers.kernels.reference.norm import add_rms_norm, gated_rms_norm, rms_norm
 from layers.kernels.reference.ssd import ssd_chunk_scan_varlen, ssm_state_update, ssm_state_verify
@@ -14,6 +15,7 @@ __all__ = [
     "causal_conv1d_varlen",
     "causal_conv1d_verify",
     "gated_rms_norm",
+    "linear",
     "moe_experts",
     "paged_attention",
     "relu_square",

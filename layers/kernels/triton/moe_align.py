@@ -12,10 +12,14 @@ at most min(P, P // block_m + experts) row blocks hold real rows (each block has
 one; the padding adds under one block per expert). Blocks past the last real one get
 expert -1 and the GEMMs skip them at once; padding rows are never written nor read.
 
-The kernel runs cdiv(P, CHUNK) programs. Each counts every pair (the expert row starts
+The kernel runs cdiv(P, chunk) programs. Each counts every pair (the expert row starts
 need all of them) and, in the same pass, the pairs before its own chunk; it then places
-its chunk's pairs, SUB at a time: row = start + pairs of the expert before this chunk +
-earlier pairs of the expert in this chunk.
+its chunk's pairs, `sub` at a time: row = start + pairs of the expert before this chunk +
+earlier pairs of the expert in this chunk. Placing is a chain of dependent steps, so the
+chunk is sized for about TARGET_PROGRAMS programs (at least MIN_CHUNK pairs each): many
+short chains at decode, where one 1,024-pair chain took 30 us at 128 tokens (granite,
+H100; 3.7 us in 32-pair chunks), and at most CHUNK pairs per program for a prefill, where
+each extra program recounts every pair.
 """
 from dataclasses import dataclass
 
@@ -23,9 +27,18 @@ import torch
 import triton
 import triton.language as tl
 
-CHUNK = 1024  # pairs placed per program
-SUB = 64  # pairs placed per step: a SUB x SUB comparison finds each one's rank
+CHUNK = 1024  # most pairs placed per program
+MIN_CHUNK = 32  # fewest pairs placed per program
+TARGET_PROGRAMS = 64  # the chunk is sized for about this many programs
 COUNT_BLOCK = 2048  # pairs counted per histogram step (fewer when the call has fewer)
+
+
+def chunk_sizes(num_pairs: int) -> tuple[int, int]:
+    """(pairs placed per program, pairs placed per step: a sub x sub comparison finds each
+    one's rank) for a call of `num_pairs` pairs. Steps of 16 suit the short chunks of a
+    decode step, 32 the long ones of a prefill (measured on the H100)."""
+    chunk = min(CHUNK, max(MIN_CHUNK, triton.next_power_of_2(triton.cdiv(num_pairs, TARGET_PROGRAMS))))
+    return chunk, 16 if chunk <= 64 else 32
 
 
 @dataclass(frozen=True)
@@ -119,10 +132,11 @@ def align_pairs(topk_ids: torch.Tensor, num_routed: int, shared_chunks: int, blo
         return rows
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     nb = triton.next_power_of_2(num_experts)
-    count_block = min(COUNT_BLOCK, triton.next_power_of_2(max(num_pairs, SUB)))
-    _align_kernel[(triton.cdiv(num_pairs, CHUNK),)](
+    chunk, sub = chunk_sizes(num_pairs)
+    count_block = min(COUNT_BLOCK, triton.next_power_of_2(max(num_pairs, sub)))
+    _align_kernel[(triton.cdiv(num_pairs, chunk),)](
         ids, rows.pairs, rows.block_expert, rows.expert_end, num_tokens, num_routed, blocks,
-        TOP_K=top_k, SHARED=shared_chunks, BLOCK_M=block_m, NB=nb, CHUNK=CHUNK, SUB=SUB, COUNT_BLOCK=count_block,
+        TOP_K=top_k, SHARED=shared_chunks, BLOCK_M=block_m, NB=nb, CHUNK=chunk, SUB=sub, COUNT_BLOCK=count_block,
         BLOCK_B=max(16, min(64, 4096 // nb)), num_warps=4,
     )
     return rows
