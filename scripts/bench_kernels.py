@@ -28,7 +28,6 @@ import statistics
 from collections.abc import Callable
 
 import torch
-
 import torch.nn.functional as F
 
 from layers.kernels.triton import attention, conv1d, linear, moe, norm, ssd, ssm_update
@@ -268,8 +267,9 @@ def run_linear(copy_bw: float) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", default="bench_kernels.json", help="where to write the rows as JSON")
-    parser.add_argument("--moe", action="store_true", help="the MoE layer table (scripts/bench_moe.py) instead")
-    parser.add_argument("--linear", action="store_true", help="the projection table (ops.linear vs cuBLAS) instead")
+    table = parser.add_mutually_exclusive_group()
+    table.add_argument("--moe", action="store_true", help="the MoE layer table (scripts/bench_moe.py) instead")
+    table.add_argument("--linear", action="store_true", help="the projection table (ops.linear vs cuBLAS) instead")
     args = parser.parse_args()
     torch.manual_seed(0)
     copy_bw, mm_rate = ceilings()

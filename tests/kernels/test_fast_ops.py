@@ -135,16 +135,15 @@ def test_relu_square(dtype: torch.dtype, shape: tuple[int, int]) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 17])  # 17: past MAX_ROWS, F.linear
-@pytest.mark.parametrize("shape", [(17000, 300), (16900, 64), (100, 300)])  # (N, K): ragged tiles; narrow: F.linear
+@pytest.mark.parametrize("shape", [(40000, 300), (40040, 64), (100, 300)])  # (N, K): ragged tiles; narrow: F.linear
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear(rows: int, shape: tuple[int, int], with_bias: bool) -> None:
     n, k = shape
     x = randn(rows, k, dtype=LOW)
     weight = randn(n, k, dtype=LOW, scale=k ** -0.5)
     bias = randn(n, dtype=LOW) if with_bias else None
-    wide = triton.cdiv(n, linear.BLOCK_N) >= 2 * linear._sm_count(weight.device)
-    assert wide == (n > 10000)  # (an H100 has 132 SMs, a smaller GPU fewer)
-    assert linear.takes_kernel(x, weight, bias) == (rows <= linear.MAX_ROWS and wide)
+    # 40,000 columns are two 64-column programs per SM up to 312 SMs; 100 never are.
+    assert linear.takes_kernel(x, weight, bias) == (rows <= linear.MAX_ROWS and n > 10000)
     expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     out = linear.linear(x, weight, bias)
     assert out.dtype == LOW
@@ -155,12 +154,21 @@ def test_linear(rows: int, shape: tuple[int, int], with_bias: bool) -> None:
                  F.linear(batched.float(), weight.float(), None if bias is None else bias.float()), TOL[LOW])
 
 
-def test_linear_float32_is_torch() -> None:
-    """float32 (and a weight of another dtype) goes to F.linear: bit for bit torch's."""
-    x, weight = randn(4, 64), randn(17000, 64)
+def test_linear_leaves_other_inputs_to_torch() -> None:
+    """float32, a weight of another dtype, a bias that is strided or broadcast, and a width
+    mismatch go to F.linear: its results bit for bit, its errors."""
+    x, weight = randn(4, 64), randn(40000, 64)
     assert not linear.takes_kernel(x, weight, None)
     assert torch.equal(linear.linear(x, weight), F.linear(x, weight))
-    assert not linear.takes_kernel(x.to(LOW), weight, None)
+    low_x, low_w = x.to(LOW), weight.to(LOW)
+    assert not linear.takes_kernel(low_x, weight, None)
+    for bias in (randn(80000, dtype=LOW)[::2], randn(1, dtype=LOW)):
+        assert not linear.takes_kernel(low_x, low_w, bias)
+        assert torch.equal(linear.linear(low_x, low_w, bias), F.linear(low_x, low_w, bias))
+    wrong_width = randn(4, 32, dtype=LOW)
+    assert not linear.takes_kernel(wrong_width, low_w, None)
+    with pytest.raises(RuntimeError):
+        linear.linear(wrong_width, low_w)
 
 
 # ---------------------------------------------------------------- conv1d

@@ -90,10 +90,11 @@ def test_routers_reject_impossible_configs() -> None:
 # ---------------------------------------------------------------- alignment
 
 
-# The later ones span several align programs (`chunk_sizes`: 32-pair chunks up to 2,048
-# pairs, 512- and 1,024-pair chunks in the last two, a prefill's sizes).
+# The later ones span several align programs (`chunk_sizes`: 32-pair chunks placed 16 at
+# a time up to 2,048 pairs; 128-pair chunks placed 32 at a time at 600 tokens; 512- and
+# 1,024-pair chunks in the last two, a prefill's sizes).
 ALIGN_CASES = [(1, 8, 2, 0, 16), (1, 64, 6, 2, 16), (5, 8, 2, 2, 16), (40, 16, 6, 1, 32), (300, 64, 6, 2, 16),
-               (260, 8, 2, 3, 128), (100, 130, 8, 0, 64),
+               (260, 8, 2, 3, 128), (100, 130, 8, 0, 64), (600, 8, 6, 2, 16),
                pytest.param(2100, 64, 6, 2, 64, marks=needs_cuda), pytest.param(9000, 32, 4, 0, 128, marks=needs_cuda)]
 
 

@@ -10,11 +10,11 @@ j % block_size. Two attention kernels:
 - prefill / chunked prefill (the rest): flash-attention style, one program per (query
   tile, query head, sequence), causal against the cached prefix.
 """
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from layers.kernels.triton.device import sm_count
 
 _LOG2E = 1.4426950408889634
 # Prefill kernel (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit / float32 inputs;
@@ -207,11 +207,6 @@ def _attn_prefill_kernel(
              mask=r_in[:, None] & d_in[None, :])
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _num_splits(q: torch.Tensor, num_decode: int, kv_heads: int) -> int:
     """Enough (sequence, kv head, split) programs to fill the GPU about four times over.
 
@@ -219,7 +214,7 @@ def _num_splits(q: torch.Tensor, num_decode: int, kv_heads: int) -> int:
     a decode batch splits its keys (and rounds its sums) the same way whether it runs
     eager or padded into a graph.
     """
-    sms = _sm_count(q.device.index or 0) if q.is_cuda else 16
+    sms = sm_count(q.device) if q.is_cuda else 16
     return max(1, min(64, triton.cdiv(4 * sms, triton.next_power_of_2(num_decode) * kv_heads)))
 
 

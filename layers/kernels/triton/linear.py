@@ -4,19 +4,20 @@ A decode step multiplies 1 to 16 activation rows by each weight matrix, so it is
 reading the weights. Here a program owns BLOCK_N = 64 output columns for all rows and
 streams its [64, K] slab of the weight once, 256 columns of K at a time; the rows are
 padded to the 16-row tensor-core tile, which costs nothing when the weights are the
-traffic. Measured on the H100 (bf16, CUDA-graph replay, weights rotated out of L2), this
-reads wide matrices -- at least two 64-column programs per SM: the LM heads, nemotron-h-8b's
-Mamba in_proj -- at 2.8-3.0 TB/s where cuBLAS reads them at 2.5-2.8 (7-10% less time).
-On narrower matrices no single tile rule beat cuBLAS on every preset shape (the best
-tiles per shape gained 5-15%, a rule 2-4% with some shapes 10% slower), so those, larger
-row counts, float32 and anything unusual go to `F.linear`.
+traffic. Only wide matrices take this kernel -- at least two 64-column programs per SM
+(on the H100, N > 16,832: the LM heads, nemotron-h-8b's Mamba in_proj and MLP up) -- where
+`scripts/bench_kernels.py --linear` measured it 3-9% faster than cuBLAS (1-2% slower on
+the peer's 32k-row LM head, the narrowest of them; docs/kernels.md). Narrower matrices,
+larger row counts, float32 and anything unusual go to `F.linear`.
 """
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-MAX_ROWS = 16  # at 32 rows cuBLAS was as fast or faster on most shapes
+from layers.kernels.triton.device import sm_count
+
+MAX_ROWS = 16  # one 16-row tensor-core tile; at 32 rows cuBLAS was as fast or faster on most shapes
 BLOCK_N, BLOCK_K = 64, 256
 _DTYPES = (torch.bfloat16, torch.float16)
 
@@ -28,6 +29,7 @@ def _skinny_linear_kernel(
 ):
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn  # (a vocabulary x hidden weight can pass 2^31 elements)
     ks = tl.arange(0, BLOCK_K)
     row_ok = rows < M
     col_ok = cols < N
@@ -35,7 +37,7 @@ def _skinny_linear_kernel(
     for k0 in range(0, K, BLOCK_K):
         k = k0 + ks
         x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & (k[None, :] < K), other=0.0)
-        w = tl.load(w_ptr + cols[:, None] * stride_wn + k[None, :], mask=col_ok[:, None] & (k[None, :] < K), other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k[None, :] < K), other=0.0)
         acc += tl.dot(x, tl.trans(w))
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -43,27 +45,18 @@ def _skinny_linear_kernel(
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-_num_sms: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    """The device's SM count (cached; 132, an H100's, off CUDA: the Triton interpreter)."""
-    if device.type != "cuda":
-        return 132
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _num_sms:
-        _num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _num_sms[index]
-
-
 def takes_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether `linear` runs the skinny kernel: 1 to MAX_ROWS rows of bf16/fp16 activations,
-    a row-major weight (and bias) of their dtype with at least two BLOCK_N-column programs
-    per SM."""
+    """Whether `linear` runs the skinny kernel: 1 to MAX_ROWS rows of bf16/fp16 activations
+    whose width is the weight's K, a row-major weight of their dtype with at least two
+    BLOCK_N-column programs per SM, and no bias or a contiguous [N] one of their dtype
+    (anything else, errors included, is `F.linear`'s)."""
+    if weight.dim() != 2 or x.dim() == 0:
+        return False
+    n, k = weight.shape
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return (x.dtype in _DTYPES and weight.dtype == x.dtype and 0 < rows <= MAX_ROWS and weight.stride(-1) == 1
-            and (bias is None or bias.dtype == x.dtype)
-            and triton.cdiv(weight.shape[0], BLOCK_N) >= 2 * _sm_count(weight.device))
+    bias_ok = bias is None or (bias.dtype == x.dtype and bias.shape == (n,) and bias.stride(0) == 1)
+    return (x.dtype in _DTYPES and weight.dtype == x.dtype and x.shape[-1] == k and 0 < rows <= MAX_ROWS
+            and weight.stride(-1) == 1 and bias_ok and triton.cdiv(n, BLOCK_N) >= 2 * sm_count(weight.device))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -80,7 +73,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _skinny_linear_kernel[(triton.cdiv(n, BLOCK_N),)](
         flat, weight, bias if bias is not None else weight, out, rows, n, k,
         flat.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=BLOCK_N, BLOCK_K=min(BLOCK_K, max(64, triton.next_power_of_2(k))),
+        HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=min(BLOCK_K, max(64, triton.next_power_of_2(k))),
         num_warps=4, num_stages=4,
     )
     return out.view(*x.shape[:-1], n)

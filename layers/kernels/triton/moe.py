@@ -22,13 +22,13 @@ before the activation, the down projection rounded to x's dtype before it is wei
 result in x's dtype. No host sync, and every shape depends only on (T, k, E, the tile), so
 the whole path captures in a CUDA graph.
 """
-import functools
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+from layers.kernels.triton.device import sm_count
 from layers.kernels.triton.moe_align import ExpertRows, align_pairs, max_row_blocks
 
 _ACTIVATIONS = {"relu2": 1, "swiglu": 2}
@@ -58,13 +58,6 @@ MOE_TILES: dict[int, MoeTiles] = {
 FLOAT32_TILES = {"up": (32, 32), "down": (32, 32), "num_stages": 2}
 MIN_BLOCK_N = 32
 PROGRAMS_PER_SM = 2
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the interpreter (CPU): any value works
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def moe_tiles(num_pairs: int, num_experts: int, n_up: int, n_down: int, dtype: torch.dtype,
@@ -241,7 +234,7 @@ def moe_experts(
     chunks = triton.cdiv(shared_width, inter)
     top_k = topk_ids.shape[1]
     slots = top_k + chunks
-    tiles = moe_tiles(num_tokens * slots, num_experts + chunks, inter, hidden, x.dtype, _num_sms(x.device))
+    tiles = moe_tiles(num_tokens * slots, num_experts + chunks, inter, hidden, x.dtype, sm_count(x.device))
     rows = align_pairs(topk_ids, num_experts, chunks, tiles.block_m)
 
     if shared_up is None:
