@@ -50,13 +50,12 @@ def takes_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     whose width is the weight's K, a row-major weight of their dtype with at least two
     BLOCK_N-column programs per SM, and no bias or a contiguous [N] one of their dtype
     (anything else, errors included, is `F.linear`'s)."""
-    if weight.dim() != 2 or x.dim() == 0:
-        return False
+    if weight.dim() != 2 or x.dim() == 0 or not 0 < x.numel() <= MAX_ROWS * x.shape[-1]:
+        return False  # (first: a prompt step's many rows are turned away at once)
     n, k = weight.shape
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     bias_ok = bias is None or (bias.dtype == x.dtype and bias.shape == (n,) and bias.stride(0) == 1)
-    return (x.dtype in _DTYPES and weight.dtype == x.dtype and x.shape[-1] == k and 0 < rows <= MAX_ROWS
-            and weight.stride(-1) == 1 and bias_ok and triton.cdiv(n, BLOCK_N) >= 2 * sm_count(weight.device))
+    return (x.dtype in _DTYPES and weight.dtype == x.dtype and x.shape[-1] == k and weight.stride(-1) == 1
+            and bias_ok and triton.cdiv(n, BLOCK_N) >= 2 * sm_count(weight.device))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
