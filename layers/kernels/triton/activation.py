@@ -4,11 +4,14 @@ import torch
 import triton
 import triton.language as tl
 
+from layers.kernels.triton.device import pdl, wait_for_previous_kernel
+
 _BLOCK = 4096
 
 
 @triton.jit
-def _relu_square_kernel(x_ptr, n, BLOCK: tl.constexpr):
+def _relu_square_kernel(x_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     x = tl.load(x_ptr + offsets, mask=mask).to(tl.float32)
@@ -23,5 +26,5 @@ def relu_square(x: torch.Tensor) -> torch.Tensor:
                          f"{tuple(x.shape)}")
     n = x.numel()
     if n:
-        _relu_square_kernel[(triton.cdiv(n, _BLOCK),)](x, n, BLOCK=_BLOCK, num_warps=8)
+        _relu_square_kernel[(triton.cdiv(n, _BLOCK),)](x, n, BLOCK=_BLOCK, num_warps=8, **pdl(x))
     return x

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from layers.kernels.triton.device import sm_count
+from layers.kernels.triton.device import pdl, sm_count, wait_for_previous_kernel
 
 _LOG2E = 1.4426950408889634
 # Prefill kernel (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit / float32 inputs;
@@ -27,8 +27,9 @@ def _write_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, kv_heads, head_dim, block_size,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_co, stride_ch, stride_vcb, stride_vco, stride_vch,
-    BH: tl.constexpr, BD: tl.constexpr,
+    BH: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -59,7 +60,7 @@ def write_kv_cache(
         k, v, k_cache, v_cache, slot_mapping, kv_heads, head_dim, k_cache.shape[1],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        BH=triton.next_power_of_2(kv_heads), BD=triton.next_power_of_2(head_dim), num_warps=4,
+        BH=triton.next_power_of_2(kv_heads), BD=triton.next_power_of_2(head_dim), num_warps=4, **pdl(k),
     )
 
 
@@ -78,8 +79,9 @@ def _attn_decode_kernel(
     scale_log2, num_splits, rep, head_dim, block_size,
     stride_qt, stride_qh, stride_bt,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
-    REP_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
+    REP_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -116,8 +118,9 @@ def _attn_decode_kernel(
 @triton.jit
 def _attn_merge_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, cu_q_ptr, num_splits, head_dim, stride_ot, stride_oh,
-    SPLITS_PAD: tl.constexpr, BD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
@@ -164,8 +167,9 @@ def _attn_prefill_kernel(
     seq_offset, scale_log2, rep, head_dim, block_size,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     # Query tiles run last-first: under the causal mask the late tiles carry the most keys.
     m_start = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     head = tl.program_id(1)
@@ -258,11 +262,11 @@ def paged_attention(
             scale_log2, splits, rep, head_dim, block_size,
             q.stride(0), q.stride(1), block_tables.stride(0), *cache_strides,
             REP_PAD=max(16, triton.next_power_of_2(rep)), BLOCK_N=64, BD=bd, PRECISION=precision,
-            num_warps=4, num_stages=3,
+            num_warps=4, num_stages=3, **pdl(q),
         )
         _attn_merge_kernel[(num_decode, heads)](
             part_o, part_lse, out, cu_seqlens_q, splits, head_dim, out.stride(0), out.stride(1),
-            SPLITS_PAD=triton.next_power_of_2(splits), BD=bd, num_warps=4,
+            SPLITS_PAD=triton.next_power_of_2(splits), BD=bd, num_warps=4, **pdl(out),
         )
     num_rest = num_seqs - num_decode
     if num_rest > 0:
@@ -274,6 +278,6 @@ def paged_attention(
             q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q,
             num_decode, scale_log2, rep, head_dim, block_size,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), *cache_strides,
-            BLOCK_M=block_m, BLOCK_N=block_n, BD=bd, PRECISION=precision, num_warps=warps, num_stages=stages,
+            BLOCK_M=block_m, BLOCK_N=block_n, BD=bd, PRECISION=precision, num_warps=warps, num_stages=stages, **pdl(q),
         )
     return out

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from layers.kernels.triton.device import pdl, wait_for_previous_kernel
+
 
 def _check_activation(activation: str | None) -> bool:
     if activation is None:
@@ -44,8 +46,9 @@ def _conv_varlen_kernel(
     x_ptr, w_ptr, bias_ptr, states_ptr, y_ptr, cu_ptr, src_ptr,
     num_tokens, dim, num_seqs, search_steps,
     stride_xt, stride_wd, stride_slot, stride_sd, stride_sk, stride_yt,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     t_in = t < num_tokens
@@ -85,8 +88,9 @@ def _conv_varlen_kernel(
 def _conv_final_state_kernel(
     x_ptr, states_ptr, cu_ptr, src_ptr, dst_ptr, dim,
     stride_xt, stride_slot, stride_sd, stride_sk,
-    K: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
+    K: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     # A launch after the conv kernel, whose programs read the src slots: it may then write
     # the dst slots directly (a program reads its own src values before it writes, and no
     # sequence's dst is another's src: the op contract).
@@ -148,13 +152,13 @@ def causal_conv1d_varlen(
         x, weight, bias if bias is not None else weight, conv_states, y, cu_seqlens, src_slots,
         num_tokens, dim, num_seqs, num_seqs.bit_length(),
         x.stride(0), weight.stride(0), conv_states.stride(0), conv_states.stride(1), conv_states.stride(2), y.stride(0),
-        K=k, HAS_BIAS=bias is not None, SILU=silu, BT=bt, BD=bd, num_warps=4,
+        K=k, HAS_BIAS=bias is not None, SILU=silu, BT=bt, BD=bd, num_warps=4, **pdl(x),
     )
     if num_seqs:
         _conv_final_state_kernel[(num_seqs, triton.cdiv(dim, bd))](
             x, conv_states, cu_seqlens, src_slots, dst_slots, dim,
             x.stride(0), conv_states.stride(0), conv_states.stride(1), conv_states.stride(2),
-            K=k, BK=triton.next_power_of_2(k - 1), BD=bd, num_warps=4,
+            K=k, BK=triton.next_power_of_2(k - 1), BD=bd, num_warps=4, **pdl(x),
         )
     return y
 
@@ -163,8 +167,9 @@ def causal_conv1d_varlen(
 def _conv_update_kernel(
     x_ptr, w_ptr, bias_ptr, states_ptr, y_ptr, src_ptr, dst_ptr, dim,
     stride_xb, stride_wd, stride_slot, stride_sd, stride_sk, stride_yb,
-    K: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BD: tl.constexpr,
+    K: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     d_in = d < dim
@@ -219,7 +224,7 @@ def causal_conv1d_update(
         x.stride(0), weight.stride(0), conv_states.stride(0), conv_states.stride(1), conv_states.stride(2), y.stride(0),
         K=k, BK=triton.next_power_of_2(k), HAS_BIAS=bias is not None, SILU=silu, BD=bd, num_warps=4,
         # No FMA contraction: the verify and single-token kernels then round alike, bit for bit.
-        enable_fp_fusion=False,
+        enable_fp_fusion=False, **pdl(x),
     )
     return y
 
@@ -228,8 +233,9 @@ def causal_conv1d_update(
 def _conv_verify_kernel(
     x_ptr, w_ptr, bias_ptr, states_ptr, y_ptr, src_ptr, dst_ptr, dim, width,
     stride_xb, stride_xw, stride_wd, stride_slot, stride_sd, stride_sk, stride_yb, stride_yw, stride_dst_w,
-    K: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BD: tl.constexpr,
+    K: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     # `_conv_update_kernel` over `width` positions of a row. The saved history is read into
     # registers before any state is written (a dst slot may be the src slot: serial rings);
     # tap t of position j is input j-(K-1)+t: from x when >= 0, else from the history.
@@ -299,6 +305,6 @@ def causal_conv1d_verify(
         conv_states.stride(2), y.stride(0), y.stride(1), dst_slots.stride(0),
         K=k, BK=triton.next_power_of_2(k), HAS_BIAS=bias is not None, SILU=silu, BD=bd, num_warps=4,
         # No FMA contraction: the verify and single-token kernels then round alike, bit for bit.
-        enable_fp_fusion=False,
+        enable_fp_fusion=False, **pdl(x),
     )
     return y

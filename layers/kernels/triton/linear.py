@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from layers.kernels.triton.device import sm_count
+from layers.kernels.triton.device import pdl, sm_count, wait_for_previous_kernel
 
 MAX_ROWS = 16  # one 16-row tensor-core tile; at 32 rows cuBLAS was as fast or faster on most shapes
 BLOCK_N, BLOCK_K = 64, 256
@@ -25,8 +25,9 @@ _DTYPES = (torch.bfloat16, torch.float16)
 @triton.jit(do_not_specialize=["M"])  # the row count changes every step: no recompiles
 def _skinny_linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn  # (a vocabulary x hidden weight can pass 2^31 elements)
@@ -73,6 +74,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         flat, weight, bias if bias is not None else weight, out, rows, n, k,
         flat.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=min(BLOCK_K, max(64, triton.next_power_of_2(k))),
-        num_warps=4, num_stages=4,
+        num_warps=4, num_stages=4, **pdl(flat),
     )
     return out.view(*x.shape[:-1], n)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from layers.kernels.triton.device import sm_count
+from layers.kernels.triton.device import pdl, sm_count, wait_for_previous_kernel
 from layers.kernels.triton.moe_align import ExpertRows, align_pairs, max_row_blocks
 
 _ACTIVATIONS = {"relu2": 1, "swiglu": 2}
@@ -90,8 +90,9 @@ def _moe_gemm_kernel(
     n_dim, k_dim, num_routed, shared_width, stride_am, stride_om, stride_we, stride_wn, stride_sn,
     shared_step, routed_half, shared_half,
     SLOTS: tl.constexpr, UP: tl.constexpr, ACT: tl.constexpr, PRECISION: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     # One (row block of one expert, column block). UP: out[row] = act(x[token(row)] @ W_e^T),
     # rows in sorted order. Down: out[pair(row)] = h[row] @ W_e^T, rows in pair order.
     block = tl.program_id(0)
@@ -144,7 +145,8 @@ def _moe_gemm_kernel(
 
 @triton.jit
 def _combine_kernel(y_ptr, weights_ptr, out_ptr, n_dim, stride_y, stride_o,
-                    TOP_K: tl.constexpr, SLOTS: tl.constexpr, BN: tl.constexpr):
+                    TOP_K: tl.constexpr, SLOTS: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     # out[t] = sum_s w[t, s] * y[t * SLOTS + s] in slot order (shared slots: weight 1), float32.
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -180,7 +182,7 @@ def _gemm(a: torch.Tensor, weights: _Weights, out: torch.Tensor, rows: ExpertRow
         n_dim, a.shape[1], num_routed, shared_width, a.stride(0), out.stride(0), weights.routed.stride(0),
         weights.routed.stride(1), weights.stride_sn, weights.shared_step, weights.routed_half, weights.shared_half,
         SLOTS=slots, UP=up, ACT=act, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        BM=rows.block_m, BN=block_n, BK=block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        BM=rows.block_m, BN=block_n, BK=block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl(a),
     )
 
 
@@ -252,5 +254,6 @@ def moe_experts(
     block_n = min(1024, triton.next_power_of_2(hidden))
     weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
-        y, weights, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, SLOTS=slots, BN=block_n, num_warps=4)
+        y, weights, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, SLOTS=slots, BN=block_n, num_warps=4,
+        **pdl(y))
     return out

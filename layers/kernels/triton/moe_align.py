@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from layers.kernels.triton.device import pdl, wait_for_previous_kernel
+
 CHUNK = 1024  # most pairs placed per program
 MIN_CHUNK = 32  # fewest pairs placed per program
 TARGET_PROGRAMS = 64  # the chunk is sized for about this many programs
@@ -74,8 +76,9 @@ def _pair_experts(ids_ptr, p, mask, num_routed, TOP_K: tl.constexpr, SLOTS: tl.c
 def _align_kernel(
     ids_ptr, pairs_ptr, block_expert_ptr, expert_end_ptr, num_tokens, num_routed, max_blocks,
     TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
-    CHUNK: tl.constexpr, SUB: tl.constexpr, COUNT_BLOCK: tl.constexpr, BLOCK_B: tl.constexpr,
+    CHUNK: tl.constexpr, SUB: tl.constexpr, COUNT_BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     SLOTS: tl.constexpr = TOP_K + SHARED
     num_pairs = num_tokens * SLOTS
@@ -137,6 +140,6 @@ def align_pairs(topk_ids: torch.Tensor, num_routed: int, shared_chunks: int, blo
     _align_kernel[(triton.cdiv(num_pairs, chunk),)](
         ids, rows.pairs, rows.block_expert, rows.expert_end, num_tokens, num_routed, blocks,
         TOP_K=top_k, SHARED=shared_chunks, BLOCK_M=block_m, NB=nb, CHUNK=chunk, SUB=sub, COUNT_BLOCK=count_block,
-        BLOCK_B=max(16, min(64, 4096 // nb)), num_warps=4,
+        BLOCK_B=max(16, min(64, 4096 // nb)), num_warps=4, **pdl(ids),
     )
     return rows

@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from layers.kernels.triton.device import pdl, wait_for_previous_kernel
+
 # libdevice calls only compile for a GPU; the interpreter (TRITON_INTERPRET=1) lacks them.
 _EXACT_EXP = os.environ.get("TRITON_INTERPRET") != "1"
 
@@ -69,8 +71,9 @@ def _store_routes(weights_ptr, ids_ptr, rows, r_in, weights, ids, TOP_K: tl.cons
 @triton.jit(do_not_specialize=["num_tokens"])  # per-step size: no recompiles
 def _softmax_topk_kernel(
     logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_t, EXACT: tl.constexpr,
-    TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     rows, r_in, cols, c_in, logits = _load_logits(logits_ptr, num_tokens, num_experts, stride_t, BLOCK_T, BLOCK_E)
     logits = tl.where(c_in[None, :], logits, float("-inf"))
     ids, top = _top_k(logits, logits, cols, TOP_K, K_PAD, BLOCK_E)
@@ -85,8 +88,9 @@ def _softmax_topk_kernel(
 def _sigmoid_grouped_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_t, scaling, EXACT: tl.constexpr,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, N_GROUP: tl.constexpr, G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
-    GROUP_SIZE: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     rows, r_in, cols, c_in, logits = _load_logits(logits_ptr, num_tokens, num_experts, stride_t, BLOCK_T, BLOCK_E)
     scores = tl.math.div_rn(1.0, 1.0 + _exp(-logits, EXACT))  # torch's sigmoid, step for step
     bias = tl.load(bias_ptr + cols, mask=c_in, other=0.0).to(tl.float32)
@@ -141,7 +145,7 @@ def route_softmax_topk(router_logits: torch.Tensor, top_k: int) -> tuple[torch.T
     if num_tokens:
         logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
         _softmax_topk_kernel[(triton.cdiv(num_tokens, params["BLOCK_T"]),)](
-            logits, weights, ids, num_tokens, num_experts, logits.stride(0), **params)
+            logits, weights, ids, num_tokens, num_experts, logits.stride(0), **params, **pdl(logits))
     return weights, ids
 
 
@@ -173,5 +177,6 @@ def route_sigmoid_grouped(
         _sigmoid_grouped_kernel[(triton.cdiv(num_tokens, params["BLOCK_T"]),)](
             logits, correction_bias, weights, ids, num_tokens, num_experts, logits.stride(0),
             float(routed_scaling_factor), N_GROUP=n_group, G_PAD=triton.next_power_of_2(n_group),
-            TOPK_GROUP=topk_group, GROUP_SIZE=num_experts // n_group, NORM=bool(norm_topk_prob), **params)
+            TOPK_GROUP=topk_group, GROUP_SIZE=num_experts // n_group, NORM=bool(norm_topk_prob), **params,
+            **pdl(logits))
     return weights, ids

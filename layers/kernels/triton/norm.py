@@ -10,12 +10,15 @@ import triton
 import triton.language as tl
 
 from layers.kernels.reference.norm import check_add_inputs
+from layers.kernels.triton.device import pdl, wait_for_previous_kernel
 
 
 @triton.jit
 def _gated_rms_norm_kernel(
     x_ptr, z_ptr, w_ptr, y_ptr, group_size, eps, stride_xt, stride_zt, stride_yt, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     t = tl.program_id(0)
     cols = tl.program_id(1) * group_size + tl.arange(0, BLOCK)
     mask = tl.arange(0, BLOCK) < group_size
@@ -43,7 +46,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     block = triton.next_power_of_2(group_size)
     _gated_rms_norm_kernel[(num_tokens, dim // group_size)](
         x, z, weight, out, group_size, eps, x.stride(0), z.stride(0), out.stride(0),
-        BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        BLOCK=block, num_warps=min(16, max(1, block // 256)), **pdl(x),
     )
     return out
 
@@ -61,7 +64,9 @@ def _normalize_store(h, x_dtype: tl.constexpr, w_ptr, y_ptr, cols, mask, dim, ep
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, w_ptr, y_ptr, dim, eps, stride_xt, stride_yt, WEIGHT_IN_FP32: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     t = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
@@ -72,8 +77,9 @@ def _rms_norm_kernel(
 @triton.jit
 def _add_rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, new_r_ptr, dim, eps, scale, stride_xt, stride_rt, stride_yt, stride_nt,
-    HAS_SCALE: tl.constexpr, WEIGHT_IN_FP32: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_SCALE: tl.constexpr, WEIGHT_IN_FP32: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     t = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
@@ -98,7 +104,7 @@ def _launch(kernel, rows: torch.Tensor, *args, **constexprs) -> None:
     if rows.shape[0]:
         block = triton.next_power_of_2(rows.shape[1])
         kernel[(rows.shape[0],)](*args, BLOCK=block, num_warps=min(16, max(1, block // 256)),
-                                 enable_fp_fusion=False, **constexprs)
+                                 enable_fp_fusion=False, **constexprs, **pdl(rows))
 
 
 def _norm_output(rows: torch.Tensor, weight: torch.Tensor, weight_in_fp32: bool) -> torch.Tensor:

@@ -26,6 +26,7 @@ import triton.language as tl
 # against chunks 32/64/128, blocks 16/32/64, 4/8 warps: whole heads per program (B and C
 # are read once per head, not per channel block) with 32-token chunks won.
 from layers.kernels.reference.ssd import CHUNK, clamps_dt
+from layers.kernels.triton.device import pdl, wait_for_previous_kernel
 from layers.kernels.triton.ssm_update import softplus
 
 BLOCK_P = 64  # head channels per program: the state tile is BLOCK_P x state_size float32
@@ -39,8 +40,9 @@ def _ssd_varlen_kernel(
     stride_xt, stride_xh, stride_dtt, stride_bt, stride_bg, stride_ct, stride_cg,
     stride_ss, stride_sh, stride_sp, stride_yt, stride_yh,
     CHUNK: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr, HAS_LIMIT_MASK: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr, HAS_LIMIT_MASK: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     group = head // heads_per_group
@@ -168,5 +170,6 @@ def ssd_chunk_scan_varlen(
         CHUNK=CHUNK, BP=block_p, BN=max(16, triton.next_power_of_2(state_size)),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS,
         HAS_DT_BIAS=dt_bias is not None, HAS_DT_LIMIT=clamps_dt(dt_limit), HAS_LIMIT_MASK=dt_limit_mask is not None,
+        **pdl(x),
     )
     return y

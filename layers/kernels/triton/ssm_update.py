@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from layers.kernels.triton.device import pdl, wait_for_previous_kernel
+
 
 @triton.jit
 def softplus(x):
@@ -31,8 +33,9 @@ def _ssm_update_kernel(
     stride_bb, stride_bg, stride_bn,
     stride_cb, stride_cg, stride_cn,
     stride_yb, stride_yh, stride_yp,
-    BP: tl.constexpr, BN: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    BP: tl.constexpr, BN: tl.constexpr, HAS_DT_BIAS: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     p = tl.program_id(2) * BP + tl.arange(0, BP)
@@ -96,7 +99,7 @@ def ssm_state_update(
         *ssm_states.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *y.stride(),
         BP=bp, BN=triton.next_power_of_2(state_size), HAS_DT_BIAS=dt_bias is not None, num_warps=4,
         # No FMA contraction: the verify and single-token kernels then round alike, bit for bit.
-        enable_fp_fusion=False,
+        enable_fp_fusion=False, **pdl(x),
     )
     return y
 
@@ -112,8 +115,9 @@ def _ssm_verify_kernel(
     stride_cb, stride_cw, stride_cg, stride_cn,
     stride_yb, stride_yw, stride_yh, stride_yp,
     stride_dst_w,
-    BP: tl.constexpr, BN: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    BP: tl.constexpr, BN: tl.constexpr, HAS_DT_BIAS: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     # The single-token update of `_ssm_update_kernel`, applied to `width` positions with the
     # state kept in registers: read once, written after every position to its own slot.
     row = tl.program_id(0)
@@ -186,6 +190,6 @@ def ssm_state_verify(
         *ssm_states.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *y.stride(), dst_slots.stride(0),
         BP=bp, BN=triton.next_power_of_2(state_size), HAS_DT_BIAS=dt_bias is not None, num_warps=4,
         # No FMA contraction: the verify and single-token kernels then round alike, bit for bit.
-        enable_fp_fusion=False,
+        enable_fp_fusion=False, **pdl(x),
     )
     return y
