@@ -181,7 +181,8 @@ class GraniteMoE(nn.Module):
         same kernels; with tensor parallelism it is split like the experts, and the block's
         output is reduced once)."""
         # Logits stay in x's dtype (transformers rounds them there before routing in float32).
-        weights, ids = self.placement.local_routes(*self.ops.route_softmax_topk(self.router.layer(x), self.top_k))
+        logits = self.ops.linear(x, self.router.layer.weight)
+        weights, ids = self.placement.local_routes(*self.ops.route_softmax_topk(logits, self.top_k))
         shared_weights = shared.expert_weights() if shared is not None else (None, None)
         return self.tp.all_reduce(self.ops.moe_experts(x, self.input_linear.weight, self.output_linear.weight,
                                                        weights, ids, "swiglu", *shared_weights))

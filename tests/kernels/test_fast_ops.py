@@ -134,16 +134,19 @@ def test_relu_square(dtype: torch.dtype, shape: tuple[int, int]) -> None:
 # ---------------------------------------------------------------- linear
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16, 17])  # 17: past MAX_ROWS, F.linear
-@pytest.mark.parametrize("shape", [(40000, 300), (40040, 64), (100, 300)])  # (N, K): ragged tiles; narrow: F.linear
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33])  # 33: past MAX_ROWS, F.linear
+@pytest.mark.parametrize("shape", [(40000, 300), (100, 300), (64, 1536), (1536, 3072), (640, 512)])  # (N, K)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear(rows: int, shape: tuple[int, int], with_bias: bool) -> None:
+    """Every tiling kind (wide, narrow with one slice, K split in 4 or 2) with and without
+    bias, ragged tiles included, against float32; 17-32 rows of a split weight with K <= N
+    (640 x 512) stay with F.linear."""
     n, k = shape
     x = randn(rows, k, dtype=LOW)
     weight = randn(n, k, dtype=LOW, scale=k ** -0.5)
     bias = randn(n, dtype=LOW) if with_bias else None
-    # 40,000 columns are two 64-column programs per SM up to 312 SMs; 100 never are.
-    assert linear.takes_kernel(x, weight, bias) == (rows <= linear.MAX_ROWS and n > 10000)
+    split_and_not_deep = linear.tiling(n, k).split > 1 and k <= n
+    assert linear.takes_kernel(x, weight, bias) == (rows <= 16 or (rows <= linear.MAX_ROWS and not split_and_not_deep))
     expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     out = linear.linear(x, weight, bias)
     assert out.dtype == LOW
@@ -152,6 +155,39 @@ def test_linear(rows: int, shape: tuple[int, int], with_bias: bool) -> None:
     batched = randn(2, rows, 2 * k, dtype=LOW)[..., :k]
     assert_close(linear.linear(batched, weight, bias).float(),
                  F.linear(batched.float(), weight.float(), None if bias is None else bias.float()), TOL[LOW])
+
+
+def test_linear_tiling() -> None:
+    """Narrow weights split K (into slices of at least MIN_SLICE columns, within
+    MAX_SPLIT_PROGRAMS programs), wide ones never do; 256-column K steps only for slices of
+    4,096 columns or more in whole steps."""
+    assert linear.tiling(100352, 1536) == linear.Tiling(64, 128, 1)
+    assert linear.tiling(1536, 3072) == linear.Tiling(64, 128, 4)
+    assert linear.tiling(256, 2688) == linear.Tiling(32, 128, 8)
+    assert linear.tiling(18560, 4096) == linear.Tiling(64, 256, 1)
+    assert linear.tiling(100, 300) == linear.Tiling(32, 128, 1)  # a slice would be under MIN_SLICE
+    for n, k in ((1024, 1024), (4096, 21504), (6448, 1536), (64, 1536)):
+        tiles = linear.tiling(n, k)
+        assert k // tiles.split >= linear.MIN_SLICE
+        assert tiles.split == 1 or triton.cdiv(n, tiles.block_n) * tiles.split <= linear.MAX_SPLIT_PROGRAMS
+
+
+@pytest.mark.parametrize("split", [1, 2, 3, 8])
+def test_linear_split_is_deterministic_and_leaves_counters_zero(split: int) -> None:
+    """Any slice count (3: a ragged last slice) gives the float32 result, the same bits on a
+    second call, and arrival counters back at zero for the next call. On the GPU a row's
+    result is also the same bits alone as among 32 rows (the interpreter's matmul is the
+    host BLAS, whose rounding may depend on the row's place)."""
+    x = randn(32, 1000, dtype=LOW)
+    weight = randn(200, 1000, dtype=LOW, scale=1000 ** -0.5)
+    tiles = linear.Tiling(32, 64, split)
+    out = linear.linear(x, weight, tiles=tiles)
+    assert_close(out.float(), F.linear(x.float(), weight.float()), TOL[LOW])
+    assert torch.equal(linear.linear(x, weight, tiles=tiles), out)
+    assert not linear._arrival_counters(x.device).any()
+    if not INTERPRET:
+        for row in (0, 15, 16, 31):
+            assert torch.equal(linear.linear(x[row:row + 1], weight, tiles=tiles)[0], out[row])
 
 
 def test_linear_leaves_other_inputs_to_torch() -> None:

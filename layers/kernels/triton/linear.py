@@ -1,67 +1,162 @@
-"""Linear projections of a few rows (decode) over wide weights, in one Triton pass.
+"""Linear projections of a few rows (decode), in one Triton pass per projection.
 
-A decode step multiplies 1 to 16 activation rows by each weight matrix, so it is bound by
-reading the weights. Here a program owns BLOCK_N = 64 output columns for all rows and
-streams its [64, K] slab of the weight once, 256 columns of K at a time; the rows are
-padded to the 16-row tensor-core tile, which costs nothing when the weights are the
-traffic. Only wide matrices take this kernel -- at least two 64-column programs per SM
-(on the H100, N > 16,832: the LM heads, nemotron-h-8b's Mamba in_proj and MLP up) -- where
-`scripts/bench_kernels.py --linear` measured it 3-9% faster than cuBLAS (1-2% slower on
-the peer's 32k-row LM head, the narrowest of them; docs/kernels.md). Narrower matrices,
-larger row counts, float32 and anything unusual go to `F.linear`.
+A decode step multiplies 1 to 32 activation rows by each weight matrix, so it is bound by
+reading the weights. A program owns BLOCK_N output columns for all rows and streams its
+[BLOCK_N, K] slab of the weight (or one of SPLIT_K slices of it along K) once, BLOCK_K
+columns at a time; the rows go through the tensor cores in 16-row tiles, which costs
+nothing when the weights are the traffic. A narrow matrix has too few column tiles to
+keep every SM reading, so its K is split: each program stores its float32 partial sums,
+and the last program of a column tile to arrive (an arrival counter, reset by that program)
+adds the slices in slice order and writes the result. The order is fixed, so results are
+deterministic, and among the calls the kernel takes a row's result does not depend on the
+other rows (16-row tiles, a tiling chosen from the weight's shape alone).
+
+Why not cuBLAS: on its own cuBLAS reads these matrices about as fast (docs/kernels.md), but
+a kernel of ours is a programmatic dependent launch (`device.pdl`) that starts while the
+kernel before it drains, where a cuBLAS kernel waits for a full completion. Float32, more
+rows (a prompt step) and anything unusual go to `F.linear`.
 """
+import functools
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from layers.kernels.triton.device import pdl, sm_count, wait_for_previous_kernel
+from layers.kernels.triton.device import pdl, wait_for_previous_kernel
 
-MAX_ROWS = 16  # one 16-row tensor-core tile; at 32 rows cuBLAS was as fast or faster on most shapes
-BLOCK_N, BLOCK_K = 64, 256
+ROW_TILE = 16  # the tensor-core tile the rows are padded to
+MAX_ROWS = 2 * ROW_TILE  # past a decode step's 32 rows cuBLAS's tiled GEMMs take over
+MAX_COLUMN_TILES = 8192  # arrival counters per device; wider matrices are never split
+MAX_SPLIT_PROGRAMS = 128  # K is split only while the grid stays within this many programs ...
+MIN_SLICE = 256  # ... and each slice keeps at least this many K columns
 _DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """How the skinny kernel cuts an [N, K] weight: BLOCK_N output columns per program, K
+    read BLOCK_K columns at a time, in `split` slices (1: no partial sums)."""
+
+    block_n: int
+    block_k: int
+    split: int
+
+
+@triton.jit
+def _row_tile_product(acc, x_ptr, w, rows, k, M, K, stride_xm):
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
+                other=0.0)
+    return acc + tl.dot(x, tl.trans(w))
+
+
+@triton.jit
+def _store_rows(acc, b_ptr, y_ptr, rows, cols, M, N, stride_ym, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit
+def _sum_slices(partial_ptr, rows, cols, N, ROWS: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Slice 0's partial plus slices 1.. in order (read from L2: other programs wrote them)."""
+    ptrs = partial_ptr + rows[:, None] * N + cols[None, :]
+    acc = tl.load(ptrs, mask=cols[None, :] < N, other=0.0, cache_modifier=".cg")
+    for s in range(1, SPLIT_K):
+        acc += tl.load(ptrs + s * ROWS * N, mask=cols[None, :] < N, other=0.0, cache_modifier=".cg")
+    return acc
 
 
 @triton.jit(do_not_specialize=["M"])  # the row count changes every step: no recompiles
 def _skinny_linear_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, y_ptr, partial_ptr, arrivals_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, ROW_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
-    rows = tl.arange(0, BLOCK_M)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_tile = tl.program_id(0)
+    rows = tl.arange(0, 16)
+    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn  # (a vocabulary x hidden weight can pass 2^31 elements)
     ks = tl.arange(0, BLOCK_K)
-    row_ok = rows < M
-    col_ok = cols < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_len = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_start = tl.program_id(1) * k_len
+    k_stop = tl.minimum(k_start + k_len, K)
+    acc0 = tl.zeros((16, BLOCK_N), tl.float32)
+    acc1 = tl.zeros((16, BLOCK_N), tl.float32)
+    for k0 in range(k_start, k_stop, BLOCK_K):
         k = k0 + ks
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & (k[None, :] < K), other=0.0)
-        w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k[None, :] < K), other=0.0)
-        acc += tl.dot(x, tl.trans(w))
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+        w = tl.load(w_rows + k[None, :], mask=(cols[:, None] < N) & (k[None, :] < k_stop), other=0.0)
+        acc0 = _row_tile_product(acc0, x_ptr, w, rows, k, M, k_stop, stride_xm)
+        if ROW_TILES == 2:
+            acc1 = _row_tile_product(acc1, x_ptr, w, rows + 16, k, M, k_stop, stride_xm)
+    if SPLIT_K == 1:
+        _store_rows(acc0, b_ptr, y_ptr, rows, cols, M, N, stride_ym, HAS_BIAS)
+        if ROW_TILES == 2:
+            _store_rows(acc1, b_ptr, y_ptr, rows + 16, cols, M, N, stride_ym, HAS_BIAS)
+    else:
+        ROWS: tl.constexpr = 16 * ROW_TILES
+        mine = partial_ptr + tl.program_id(1) * ROWS * N
+        tl.store(mine + rows[:, None] * N + cols[None, :], acc0, mask=cols[None, :] < N)
+        if ROW_TILES == 2:
+            tl.store(mine + (rows + 16)[:, None] * N + cols[None, :], acc1, mask=cols[None, :] < N)
+        tl.debug_barrier()  # every thread's partial is stored before the arrival releases them
+        if tl.atomic_add(arrivals_ptr + col_tile, 1, sem="acq_rel") == SPLIT_K - 1:
+            acc0 = _sum_slices(partial_ptr, rows, cols, N, ROWS, SPLIT_K)
+            _store_rows(acc0, b_ptr, y_ptr, rows, cols, M, N, stride_ym, HAS_BIAS)
+            if ROW_TILES == 2:
+                acc1 = _sum_slices(partial_ptr, rows + 16, cols, N, ROWS, SPLIT_K)
+                _store_rows(acc1, b_ptr, y_ptr, rows + 16, cols, M, N, stride_ym, HAS_BIAS)
+            tl.atomic_xchg(arrivals_ptr + col_tile, 0)  # ready for the next call
+
+
+@functools.lru_cache(maxsize=None)
+def _arrival_counters(device: torch.device) -> torch.Tensor:
+    """Zeroed counters, one per column tile; each split call leaves them zero again. Calls
+    on one stream run one after the other (a kernel of ours waits for the one before it)."""
+    return torch.zeros(MAX_COLUMN_TILES, dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def tiling(n: int, k: int) -> Tiling:
+    """The tiling of an [n, k] weight, from its shape alone (so a row's result does not
+    depend on how many rows come with it): 32-column tiles up to 1,024 columns, else 64; K
+    slices doubled while the grid stays within MAX_SPLIT_PROGRAMS programs and each slice
+    keeps MIN_SLICE columns; 256-column K steps where a slice is 4,096 or more columns in
+    whole steps, else 128. Fitted on the presets' projections at 1 and 32 rows (H100, graph
+    chains; docs/kernels.md, "Few-row projections")."""
+    block_n = 32 if n <= 1024 else 64
+    col_tiles = triton.cdiv(n, block_n)
+    split = 1
+    while (2 * split * col_tiles <= MAX_SPLIT_PROGRAMS and k // (2 * split) >= MIN_SLICE
+           and col_tiles <= MAX_COLUMN_TILES):
+        split *= 2
+    slice_k = k // split
+    return Tiling(block_n, 256 if slice_k % 256 == 0 and slice_k >= 4096 else 128, split)
 
 
 def takes_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether `linear` runs the skinny kernel: 1 to MAX_ROWS rows of bf16/fp16 activations
-    whose width is the weight's K, a row-major weight of their dtype with at least two
-    BLOCK_N-column programs per SM, and no bias or a contiguous [N] one of their dtype
-    (anything else, errors included, is `F.linear`'s)."""
+    whose width is the weight's K, a row-major weight of their dtype, and no bias or a
+    contiguous [N] one of their dtype (anything else, errors included, is `F.linear`'s).
+    Past one row tile, a split weight no deeper than it is wide (K <= N) stays with cuBLAS,
+    which measured faster there (each program re-reads its rows for its slice)."""
     if weight.dim() != 2 or x.dim() == 0 or not 0 < x.numel() <= MAX_ROWS * x.shape[-1]:
         return False  # (first: a prompt step's many rows are turned away at once)
     n, k = weight.shape
     bias_ok = bias is None or (bias.dtype == x.dtype and bias.shape == (n,) and bias.stride(0) == 1)
-    return (x.dtype in _DTYPES and weight.dtype == x.dtype and x.shape[-1] == k and weight.stride(-1) == 1
-            and bias_ok and triton.cdiv(n, BLOCK_N) >= 2 * sm_count(weight.device))
+    if not (x.dtype in _DTYPES and weight.dtype == x.dtype and x.shape[-1] == k and weight.stride(-1) == 1
+            and bias_ok):
+        return False
+    return x.numel() <= ROW_TILE * k or k > n or tiling(n, k).split == 1
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           tiles: Tiling | None = None) -> torch.Tensor:
     """x @ weight^T (+ bias) (see `KernelOps.linear`): the skinny kernel where
-    `takes_kernel`, else `F.linear`."""
+    `takes_kernel`, else `F.linear`. `tiles` replaces `tiling`'s choice (benchmarks sweep it)."""
     if not takes_kernel(x, weight, bias):
         return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1]
@@ -69,11 +164,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     n, k = weight.shape
+    tiles = tiles or tiling(n, k)
+    row_tiles = triton.cdiv(rows, ROW_TILE)
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    _skinny_linear_kernel[(triton.cdiv(n, BLOCK_N),)](
-        flat, weight, bias if bias is not None else weight, out, rows, n, k,
+    partials = torch.empty((tiles.split, row_tiles * ROW_TILE, n) if tiles.split > 1 else (0,), dtype=torch.float32,
+                           device=x.device)
+    _skinny_linear_kernel[(triton.cdiv(n, tiles.block_n), tiles.split)](
+        flat, weight, bias if bias is not None else weight, out, partials, _arrival_counters(x.device), rows, n, k,
         flat.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=min(BLOCK_K, max(64, triton.next_power_of_2(k))),
-        num_warps=4, num_stages=4, **pdl(flat),
+        HAS_BIAS=bias is not None, ROW_TILES=row_tiles, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        SPLIT_K=tiles.split, num_warps=4, num_stages=4, **pdl(flat),
     )
     return out.view(*x.shape[:-1], n)
