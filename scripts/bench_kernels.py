@@ -6,7 +6,7 @@
 `--moe` runs the MoE layer table instead (scripts/bench_moe.py: the fused path against the
 old one at the granite-4.0-h-tiny and nemotron-3-nano-30b-a3b shapes). `--linear` runs the
 projection table instead: `ops.linear` (own kernel where it takes one) against cuBLAS's
-`F.linear` on the presets' projection shapes at 1, 8 and 16 rows.
+`F.linear` on the presets' projection shapes at 1, 16 and 32 rows.
 
 Shapes: hidden 4096; Mamba-2 128 heads x 64, 8 groups, state 128, conv 4 (conv dim 10240);
 attention 32 q / 8 kv heads x 128, KV block 64; MoE (nemotron-h-8b has none) at the
@@ -232,32 +232,39 @@ def bench_attention_prefill() -> Case:
 
 # (N, K) of each preset's dense projections (weight [N, K]; bf16).
 LINEAR_SHAPES = {
-    "peer in_proj": (6176, 1024), "peer out_proj": (1024, 2048), "peer MLP up": (4096, 1024),
-    "peer MLP down": (1024, 4096), "peer LM head": (32768, 1024),
+    "peer in_proj": (6176, 1024), "peer out_proj": (1024, 2048), "peer q / o": (1024, 1024),
+    "peer k / v": (256, 1024), "peer MLP up": (4096, 1024), "peer MLP down": (1024, 4096),
+    "peer LM head": (32768, 1024),
     "granite-4.0-h-tiny in_proj": (6448, 1536), "granite-4.0-h-tiny out_proj": (1536, 3072),
-    "granite-4.0-h-tiny LM head": (100352, 1536),
+    "granite-4.0-h-tiny q / o": (1536, 1536), "granite-4.0-h-tiny k / v": (512, 1536),
+    "granite-4.0-h-tiny router": (64, 1536), "granite-4.0-h-tiny LM head": (100352, 1536),
     "nemotron-h-8b in_proj": (18560, 4096), "nemotron-h-8b out_proj": (4096, 8192),
     "nemotron-h-8b MLP up": (21504, 4096), "nemotron-h-8b MLP down": (4096, 21504),
-    "nemotron-3-nano-30b-a3b in_proj": (10304, 2688), "nemotron-3-nano-30b-a3b LM head": (131072, 2688),
+    "nemotron-3-nano-30b-a3b in_proj": (10304, 2688), "nemotron-3-nano-30b-a3b out_proj": (2688, 4096),
+    "nemotron-3-nano-30b-a3b LM head": (131072, 2688),
 }
+LINEAR_ROWS = (1, 16, 32)
 
 
 def run_linear(copy_bw: float) -> list[dict]:
     """The projection table: per shape and row count, cuBLAS and `linear.linear` (weights
-    rotated out of the L2, CUDA-graph replays)."""
+    rotated out of the L2; 32 calls per CUDA graph, so the op's kernels follow each other
+    as a decode step's do, with programmatic dependent launch where it applies)."""
     rows = []
-    print(f"| {'projection (N x K)':<42} | rows | own kernel | cuBLAS us | op us | op / cuBLAS | op % copy rate |")
+    print(f"| {'projection (N x K)':<42} | rows | own kernel (BLOCK_N x BLOCK_K, split) | cuBLAS us | op us | op / cuBLAS | op % copy rate |")
     print("|---|---|---|---|---|---|---|")
     for name, (n, k) in LINEAR_SHAPES.items():
         weights = [torch.randn(n, k, device=DEV, dtype=BF16) for _ in range(rotations(2 * n * k))]
-        for m in (1, 8, 16):
+        for m in LINEAR_ROWS:
             x = torch.randn(m, k, device=DEV, dtype=BF16)
-            cublas = time_graph([lambda w=w: F.linear(x, w) for w in weights])
-            op = time_graph([lambda w=w: linear.linear(x, w) for w in weights])
+            cublas = time_graph([lambda w=w: F.linear(x, w) for w in weights], per_graph=32)
+            op = time_graph([lambda w=w: linear.linear(x, w) for w in weights], per_graph=32)
             own = linear.takes_kernel(x, weights[0], None)
-            rows.append(dict(projection=name, n=n, k=k, rows=m, own_kernel=own, cublas_us=cublas * 1e6,
+            tiles = linear.tiling(n, k)
+            tiling = f"{tiles.block_n} x {tiles.block_k}, split {tiles.split}" if own else "(cuBLAS)"
+            rows.append(dict(projection=name, n=n, k=k, rows=m, own_kernel=own, tiling=tiling, cublas_us=cublas * 1e6,
                              op_us=op * 1e6, frac_of_copy=2 * n * k / op / copy_bw))
-            print(f"| {name + f' ({n} x {k})':<42} | {m} | {'yes' if own else 'no'} | {cublas * 1e6:.1f} | "
+            print(f"| {name + f' ({n} x {k})':<42} | {m} | {tiling} | {cublas * 1e6:.1f} | "
                   f"{op * 1e6:.1f} | {op / cublas:.3f} | {100 * rows[-1]['frac_of_copy']:.0f}% |", flush=True)
         weights = None
         torch.cuda.empty_cache()
