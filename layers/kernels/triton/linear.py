@@ -153,18 +153,22 @@ def takes_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return x.numel() <= ROW_TILE * k or k > n or tiling(n, k).split == 1
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           tiles: Tiling | None = None) -> torch.Tensor:
-    """x @ weight^T (+ bias) (see `KernelOps.linear`): the skinny kernel where
-    `takes_kernel`, else `F.linear`. `tiles` replaces `tiling`'s choice (benchmarks sweep it)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T (+ bias) (see `KernelOps.linear`): the skinny kernel with `tiling`'s
+    tiles where `takes_kernel`, else `F.linear`."""
     if not takes_kernel(x, weight, bias):
         return F.linear(x, weight, bias)
+    return skinny_linear(x, weight, bias, tiling(*weight.shape))
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: Tiling) -> torch.Tensor:
+    """The skinny kernel with the given tiles, for inputs `takes_kernel` accepts (benchmarks
+    and tests sweep tilings through it)."""
     rows = x.numel() // x.shape[-1]
     flat = x.reshape(rows, x.shape[-1])
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     n, k = weight.shape
-    tiles = tiles or tiling(n, k)
     row_tiles = triton.cdiv(rows, ROW_TILE)
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     partials = torch.empty((tiles.split, row_tiles * ROW_TILE, n) if tiles.split > 1 else (0,), dtype=torch.float32,
