@@ -28,7 +28,6 @@ from layers.kernels.triton.device import pdl, wait_for_previous_kernel
 
 ROW_TILE = 16  # the tensor-core tile the rows are padded to
 MAX_ROWS = 2 * ROW_TILE  # past a decode step's 32 rows cuBLAS's tiled GEMMs take over
-MAX_COLUMN_TILES = 8192  # arrival counters per device; wider matrices are never split
 MAX_SPLIT_PROGRAMS = 128  # K is split only while the grid stays within this many programs ...
 MIN_SLICE = 256  # ... and each slice keeps at least this many K columns
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -114,24 +113,28 @@ def _skinny_linear_kernel(
 
 @functools.lru_cache(maxsize=None)
 def _arrival_counters(device: torch.device) -> torch.Tensor:
-    """Zeroed counters, one per column tile; each split call leaves them zero again. Calls
-    on one stream run one after the other (a kernel of ours waits for the one before it)."""
-    return torch.zeros(MAX_COLUMN_TILES, dtype=torch.int32, device=device)
+    """Zeroed counters, one per column tile of a split call (a split grid has at most
+    MAX_SPLIT_PROGRAMS programs, so at most that many tiles); each split call leaves them
+    zero again. They are the device's, not a stream's: split calls must not overlap, which
+    holds on one stream (a kernel of ours waits for the one before it) -- the engine runs
+    its forward passes, graphed or not, on one stream. Made at the first call, which is
+    eager (graphs are captured after a warm-up)."""
+    return torch.zeros(MAX_SPLIT_PROGRAMS, dtype=torch.int32, device=device)
 
 
 @functools.lru_cache(maxsize=None)
 def tiling(n: int, k: int) -> Tiling:
     """The tiling of an [n, k] weight, from its shape alone (so a row's result does not
     depend on how many rows come with it): 32-column tiles up to 1,024 columns, else 64; K
-    slices doubled while the grid stays within MAX_SPLIT_PROGRAMS programs and each slice
-    keeps MIN_SLICE columns; 256-column K steps where a slice is 4,096 or more columns in
-    whole steps, else 128. Fitted on the presets' projections at 1 and 32 rows (H100, graph
+    slices doubled while the grid stays within MAX_SPLIT_PROGRAMS programs and K / slices
+    stays at MIN_SLICE columns or more (the kernel rounds each slice up to whole K steps, so
+    the last one can be shorter, even empty); 256-column K steps where K / slices is 4,096
+    or more columns in whole steps, else 128. Fitted on the presets' projections at 1 and 32 rows (H100, graph
     chains; docs/kernels.md, "Few-row projections")."""
     block_n = 32 if n <= 1024 else 64
     col_tiles = triton.cdiv(n, block_n)
     split = 1
-    while (2 * split * col_tiles <= MAX_SPLIT_PROGRAMS and k // (2 * split) >= MIN_SLICE
-           and col_tiles <= MAX_COLUMN_TILES):
+    while 2 * split * col_tiles <= MAX_SPLIT_PROGRAMS and k // (2 * split) >= MIN_SLICE:
         split *= 2
     slice_k = k // split
     return Tiling(block_n, 256 if slice_k % 256 == 0 and slice_k >= 4096 else 128, split)
@@ -164,15 +167,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: Tiling) -> torch.Tensor:
     """The skinny kernel with the given tiles, for inputs `takes_kernel` accepts (benchmarks
     and tests sweep tilings through it)."""
+    n, k = weight.shape
+    if x.numel() == 0 or (tiles.split > 1 and triton.cdiv(n, tiles.block_n) * tiles.split > MAX_SPLIT_PROGRAMS):
+        raise ValueError(f"skinny_linear: no rows, or a split grid over {MAX_SPLIT_PROGRAMS} programs ({tiles})")
     rows = x.numel() // x.shape[-1]
     flat = x.reshape(rows, x.shape[-1])
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
-    n, k = weight.shape
     row_tiles = triton.cdiv(rows, ROW_TILE)
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    partials = torch.empty((tiles.split, row_tiles * ROW_TILE, n) if tiles.split > 1 else (0,), dtype=torch.float32,
-                           device=x.device)
+    split = tiles.split > 1  # unsplit: no partials (`out` stands in for the unused pointer)
+    partials = torch.empty((tiles.split, row_tiles * ROW_TILE, n), dtype=torch.float32, device=x.device) if split else out
     _skinny_linear_kernel[(triton.cdiv(n, tiles.block_n), tiles.split)](
         flat, weight, bias if bias is not None else weight, out, partials, _arrival_counters(x.device), rows, n, k,
         flat.stride(0), weight.stride(0), out.stride(0),
