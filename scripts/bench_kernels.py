@@ -261,10 +261,10 @@ def run_linear(copy_bw: float) -> list[dict]:
             op = time_graph([lambda w=w: linear.linear(x, w) for w in weights], per_graph=32)
             own = linear.takes_kernel(x, weights[0], None)
             tiles = linear.tiling(n, k)
-            tiling = f"{tiles.block_n} x {tiles.block_k}, split {tiles.split}" if own else "(cuBLAS)"
-            rows.append(dict(projection=name, n=n, k=k, rows=m, own_kernel=own, tiling=tiling, cublas_us=cublas * 1e6,
+            tiles_text = f"{tiles.block_n} x {tiles.block_k}, split {tiles.split}" if own else "(cuBLAS)"
+            rows.append(dict(projection=name, n=n, k=k, rows=m, own_kernel=own, tiling=tiles_text, cublas_us=cublas * 1e6,
                              op_us=op * 1e6, frac_of_copy=2 * n * k / op / copy_bw))
-            print(f"| {name + f' ({n} x {k})':<42} | {m} | {tiling} | {cublas * 1e6:.1f} | "
+            print(f"| {name + f' ({n} x {k})':<42} | {m} | {tiles_text} | {cublas * 1e6:.1f} | "
                   f"{op * 1e6:.1f} | {op / cublas:.3f} | {100 * rows[-1]['frac_of_copy']:.0f}% |", flush=True)
         weights = None
         torch.cuda.empty_cache()
