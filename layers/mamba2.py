@@ -103,16 +103,26 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
         kernels = self.ops
-        zxbcdt = self.in_proj(x)
-        z, xbc, dt = zxbcdt.split([self.d_ssm, self.conv_dim, self.num_heads], dim=-1)
-        a = self._a()
         weight = self.conv1d.weight.squeeze(1)
         nd = meta.num_decode_tokens
+        src, dst = meta.mamba_src[:nd], meta.mamba_dst[:nd]
+        # A decode step (one token per row, no prompt) runs in_proj and the conv update as one
+        # op: the kernel that writes a conv channel's projection convolves it.
+        decode_step = meta.decode_width == 1 and not meta.num_prefill
+        if decode_step:
+            zxbcdt = kernels.linear_conv_update(x, self.in_proj.weight, self.in_proj.bias, self.d_ssm, weight,
+                                                self.conv1d.bias, self.conv_state, src, dst)
+        else:
+            zxbcdt = self.in_proj(x)
+        z, xbc, dt = zxbcdt.split([self.d_ssm, self.conv_dim, self.num_heads], dim=-1)
+        a = self._a()
         ys = []
         if meta.decode_width > 1:
             ys.append(self._verify(xbc[:nd], dt[:nd], a, weight, meta))
         elif nd:
-            ys.append(self._decode(xbc[:nd], dt[:nd], a, weight, meta.mamba_src[:nd], meta.mamba_dst[:nd]))
+            xbc_d = xbc if decode_step else kernels.causal_conv1d_update(xbc[:nd], weight, self.conv1d.bias,
+                                                                         self.conv_state, src, dst)
+            ys.append(self._decode(xbc_d, dt[:nd], a, src, dst))
         if meta.num_prefill:
             src, dst = meta.mamba_src[meta.num_decode:meta.num_seqs], meta.mamba_dst[meta.num_decode:meta.num_seqs]
             cu = meta.prefill_cu_seqlens
@@ -129,11 +139,11 @@ class Mamba2Mixer(nn.Module):
             y = kernels.gated_rms_norm(y, z, self.norm.weight, self.norm_eps, self.norm_group_size)
         return self.out_proj(y.to(x.dtype))
 
-    def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, weight: torch.Tensor,
-                src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-        """One token per row, state from `src` to `dst`. Decode tokens are generated tokens
-        (no dt limit): the update applies softplus(dt + dt_bias) itself."""
-        xbc = self.ops.causal_conv1d_update(xbc, weight, self.conv1d.bias, self.conv_state, src, dst)
+    def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, src: torch.Tensor,
+                dst: torch.Tensor) -> torch.Tensor:
+        """One token per row (xbc already through the conv update), SSM state from `src` to
+        `dst`. Decode tokens are generated tokens (no dt limit): the update applies
+        softplus(dt + dt_bias) itself."""
         xs, b, c = self._split_xbc(xbc)
         return self.ops.ssm_state_update(self.ssm_state, xs, dt, a, b, c, self.D, src, dst, self.dt_bias)
 

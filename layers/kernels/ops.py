@@ -50,6 +50,17 @@ class KernelOps(Protocol):
         the result [..., N] in x's dtype, float32 accumulation. Any row count; the fast op
         has its own kernel for the few rows of a decode step."""
 
+    def linear_conv_update(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_start: int,
+                           conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, conv_states: torch.Tensor,
+                           src_slots: torch.Tensor, dst_slots: torch.Tensor,
+                           activation: str | None = "silu") -> torch.Tensor:
+        """A Mamba-2 decode step's in_proj and conv update as one op: y = linear(x, weight,
+        bias), then y's columns [conv_start, conv_start + D) replaced by
+        `causal_conv1d_update` of them (D = conv_weight.shape[0]; row b's state from
+        `src_slots[b]` to `dst_slots[b]`, -1: a padding row, zeros there). x: [B, K], one
+        decode token per row. Returns y [B, N] in x's dtype; the other columns are exactly
+        `linear`'s."""
+
     def relu_square(self, x: torch.Tensor) -> torch.Tensor:
         """relu(x)^2 elementwise (NemotronH's MLP activation), squared in float32 and rounded
         once to x's dtype, as torch.square(F.relu(x)) rounds. Written over x -- the caller's

@@ -207,6 +207,40 @@ def test_linear_leaves_other_inputs_to_torch() -> None:
         linear.linear(wrong_width, low_w)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 17, 32, 33])  # 33: past MAX_ROWS, F.linear + the conv kernel in place
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("shape,conv_start,conv_dim", [((700, 256), 150, 400), ((200, 1000), 30, 130)])
+def test_linear_conv_update(dtype: torch.dtype, rows: int, in_place: bool, shape: tuple[int, int], conv_start: int,
+                            conv_dim: int) -> None:
+    """The fused in_proj + conv update (an unsplit and a split tiling, the conv columns
+    inside ragged column tiles) against the reference, and bit for bit the separate fast
+    ops: the projection, then `causal_conv1d_update` of its conv columns. Padding rows get
+    zeros in the conv columns and touch no state; the other columns are the projection's."""
+    n, k = shape
+    width = 4
+    src, dst, valid, num_slots = slot_plan(every_third_padded(rows), in_place)
+    states = randn(num_slots, conv_dim, width - 1, dtype=dtype)
+    if not in_place:
+        states[dst[valid]] = float("nan")
+    x = randn(rows, k, dtype=dtype)
+    weight, bias = randn(n, k, dtype=dtype, scale=k ** -0.5), randn(n, dtype=dtype)
+    conv_w, conv_b = randn(conv_dim, width, dtype=dtype), randn(conv_dim, dtype=dtype)
+    expected_states, separate_states = states.clone(), states.clone()
+    out = linear.linear_conv_update(x, weight, bias, conv_start, conv_w, conv_b, states, src, dst)
+    expected = ref.linear_conv_update(x, weight, bias, conv_start, conv_w, conv_b, expected_states, src, dst)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    assert_close(out[valid].float(), expected[valid].float(), TOL[dtype])
+    columns = slice(conv_start, conv_start + conv_dim)
+    assert (out[~valid, columns] == 0).all()
+    check_pool(states, expected_states, dst[valid], TOL[dtype])
+    separate = linear.linear(x, weight, bias)
+    separate[:, columns] = conv1d.causal_conv1d_update(separate[:, columns], conv_w, conv_b, separate_states, src,
+                                                       dst)
+    assert torch.equal(out, separate)
+    assert torch.equal(states[dst[valid]], separate_states[dst[valid]])
+
+
 # ---------------------------------------------------------------- conv1d
 
 

@@ -3,7 +3,8 @@
 This module implements every op of `layers.kernels.ops.KernelOps` with its exact signature."""
 from layers.kernels.reference.activation import relu_square
 from layers.kernels.reference.attention import paged_attention, write_kv_cache
-from layers.kernels.reference.conv1d import causal_conv1d_update, causal_conv1d_varlen, causal_conv1d_verify
+from layers.kernels.reference.conv1d import (causal_conv1d_update, causal_conv1d_varlen, causal_conv1d_verify,
+                                             linear_conv_update)
 from layers.kernels.reference.linear import linear
 from layers.kernels.reference.moe import moe_experts, route_sigmoid_grouped, route_softmax_topk
 from layers.kernels.reference.norm import add_rms_norm, gated_rms_norm, rms_norm
@@ -16,6 +17,7 @@ __all__ = [
     "causal_conv1d_verify",
     "gated_rms_norm",
     "linear",
+    "linear_conv_update",
     "moe_experts",
     "paged_attention",
     "relu_square",

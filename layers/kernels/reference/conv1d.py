@@ -9,6 +9,8 @@ must not touch any state.
 import torch
 import torch.nn.functional as F
 
+from layers.kernels.reference.linear import linear
+
 
 def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     if activation is None:
@@ -77,6 +79,25 @@ def causal_conv1d_update(
     rows = valid.nonzero().flatten()
     conv_states[dst_slots[rows]] = seq[rows, :, 1:].to(conv_states.dtype)
     return torch.where(valid.unsqueeze(-1), y, torch.zeros_like(y))
+
+
+def linear_conv_update(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_start: int,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    conv_states: torch.Tensor,
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """The projection, then `causal_conv1d_update` of its columns [conv_start, conv_start + D)."""
+    y = linear(x, weight, bias)
+    columns = y[:, conv_start:conv_start + conv_weight.shape[0]]
+    columns.copy_(causal_conv1d_update(columns, conv_weight, conv_bias, conv_states, src_slots, dst_slots, activation))
+    return y
 
 
 def causal_conv1d_verify(

@@ -164,10 +164,37 @@ def causal_conv1d_varlen(
 
 
 @triton.jit
+def conv_update_channels(x, w_ptrs, bias_ptrs, src_ptrs, dst_ptrs, stride_sk, mask,
+                         K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    """The single-token conv update of the channels where `mask` holds, any shape ([D], or
+    [rows, D] in the in_proj kernel): returns silu(sum_t w_t * window_t + bias) in float32
+    over the window state[src] ++ x, and writes state[dst] <- the window's last K-1 inputs.
+
+    `w_ptrs` / `bias_ptrs` point at each channel's taps / bias, `src_ptrs` / `dst_ptrs` at
+    its state column 0 (src == dst: in place). The taps are summed oldest first, each product
+    rounded before its add (callers compile with enable_fp_fusion=False): every kernel that
+    calls this rounds alike, bit for bit, whatever its layout, so a decode row, a verify
+    position and the fused in_proj agree exactly."""
+    acc = tl.zeros_like(x.to(tl.float32))
+    for t in tl.static_range(K - 1):
+        h = tl.load(src_ptrs + t * stride_sk, mask=mask, other=0.0)
+        acc = acc + h.to(tl.float32) * tl.load(w_ptrs + t, mask=mask, other=0.0).to(tl.float32)
+        if t > 0:  # column t moves to t-1; column t+1, not read yet, is not overwritten
+            tl.store(dst_ptrs + (t - 1) * stride_sk, h, mask=mask)
+    acc = acc + x.to(tl.float32) * tl.load(w_ptrs + (K - 1), mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst_ptrs + (K - 2) * stride_sk, x.to(dst_ptrs.dtype.element_ty), mask=mask)
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    return acc
+
+
+@triton.jit
 def _conv_update_kernel(
     x_ptr, w_ptr, bias_ptr, states_ptr, y_ptr, src_ptr, dst_ptr, dim,
     stride_xb, stride_wd, stride_slot, stride_sd, stride_sk, stride_yb,
-    K: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
@@ -178,22 +205,29 @@ def _conv_update_kernel(
         tl.store(y_ptr + row * stride_yb + d, tl.zeros((BD,), dtype=y_ptr.dtype.element_ty), mask=d_in)
         return
     dst = tl.load(dst_ptr + row)
-    c = tl.arange(0, BK)
-    history = tl.load(states_ptr + src.to(tl.int64) * stride_slot + d[:, None] * stride_sd + c[None, :] * stride_sk,
-                      mask=d_in[:, None] & (c < K - 1)[None, :], other=0.0).to(tl.float32)
-    xv = tl.load(x_ptr + row * stride_xb + d, mask=d_in, other=0.0).to(tl.float32)
-    window = tl.where((c == K - 1)[None, :], xv[:, None], history)  # [BD, BK]: state ++ x
-    w = tl.load(w_ptr + d[:, None] * stride_wd + c[None, :], mask=d_in[:, None] & (c < K)[None, :], other=0.0)
-    acc = tl.sum(window * w.to(tl.float32), axis=1)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + d, mask=d_in, other=0.0).to(tl.float32)
-    if SILU:
-        acc = acc * tl.sigmoid(acc)
-    tl.store(y_ptr + row * stride_yb + d, acc.to(y_ptr.dtype.element_ty), mask=d_in)
-    # New state = window shifted left by one: column c of the window goes to state column c-1.
-    # Every value was loaded above, so src == dst (in place) is safe within this program.
-    tl.store(states_ptr + dst.to(tl.int64) * stride_slot + d[:, None] * stride_sd + (c - 1)[None, :] * stride_sk,
-             window.to(states_ptr.dtype.element_ty), mask=d_in[:, None] & ((c >= 1) & (c < K))[None, :])
+    x = tl.load(x_ptr + row * stride_xb + d, mask=d_in, other=0.0)
+    channel = d * stride_sd
+    y = conv_update_channels(x, w_ptr + d * stride_wd, bias_ptr + d, states_ptr + src.to(tl.int64) * stride_slot + channel,
+                             states_ptr + dst.to(tl.int64) * stride_slot + channel, stride_sk, d_in, K, HAS_BIAS, SILU)
+    tl.store(y_ptr + row * stride_yb + d, y.to(y_ptr.dtype.element_ty), mask=d_in)
+
+
+def conv_update_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_states: torch.Tensor,
+                     src_slots: torch.Tensor, dst_slots: torch.Tensor, silu: bool, out: torch.Tensor) -> None:
+    """`causal_conv1d_update` writing into `out` [B, D] (unit channel stride), which may be
+    x itself: a program reads each element of x before it writes that element of out."""
+    batch, dim = x.shape
+    if batch == 0:
+        return
+    x, weight = _unit_last_stride(x), _unit_last_stride(weight)
+    bd = 256
+    _conv_update_kernel[(batch, triton.cdiv(dim, bd))](
+        x, weight, bias if bias is not None else weight, conv_states, out, src_slots, dst_slots, dim,
+        x.stride(0), weight.stride(0), conv_states.stride(0), conv_states.stride(1), conv_states.stride(2), out.stride(0),
+        K=weight.shape[1], HAS_BIAS=bias is not None, SILU=silu, BD=bd, num_warps=4,
+        # No FMA contraction: every conv_update_channels caller rounds alike, bit for bit.
+        enable_fp_fusion=False, **pdl(x),
+    )
 
 
 def causal_conv1d_update(
@@ -212,20 +246,8 @@ def causal_conv1d_update(
     owns its slots; src == dst of the same row is fine).
     """
     silu = _check_activation(activation)
-    batch, dim = x.shape
-    k = weight.shape[1]
-    y = torch.empty((batch, dim), dtype=x.dtype, device=x.device)
-    if batch == 0:
-        return y
-    x, weight = _unit_last_stride(x), _unit_last_stride(weight)
-    bd = 256
-    _conv_update_kernel[(batch, triton.cdiv(dim, bd))](
-        x, weight, bias if bias is not None else weight, conv_states, y, src_slots, dst_slots, dim,
-        x.stride(0), weight.stride(0), conv_states.stride(0), conv_states.stride(1), conv_states.stride(2), y.stride(0),
-        K=k, BK=triton.next_power_of_2(k), HAS_BIAS=bias is not None, SILU=silu, BD=bd, num_warps=4,
-        # No FMA contraction: the verify and single-token kernels then round alike, bit for bit.
-        enable_fp_fusion=False, **pdl(x),
-    )
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    conv_update_into(x, weight, bias, conv_states, src_slots, dst_slots, silu, y)
     return y
 
 
@@ -233,50 +255,30 @@ def causal_conv1d_update(
 def _conv_verify_kernel(
     x_ptr, w_ptr, bias_ptr, states_ptr, y_ptr, src_ptr, dst_ptr, dim, width,
     stride_xb, stride_xw, stride_wd, stride_slot, stride_sd, stride_sk, stride_yb, stride_yw, stride_dst_w,
-    K: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
-    # `_conv_update_kernel` over `width` positions of a row. The saved history is read into
-    # registers before any state is written (a dst slot may be the src slot: serial rings);
-    # tap t of position j is input j-(K-1)+t: from x when >= 0, else from the history.
+    # `_conv_update_kernel` chained over `width` positions of a row: position j reads the
+    # state position j-1 wrote (the row's src for j = 0) and writes dst_slots[j]. The same
+    # threads write and then read each state element, so the chain needs no barrier, and a
+    # dst slot may be the row's src slot (serial rings): only position 0 reads src.
     row = tl.program_id(0)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     d_in = d < dim
-    src = tl.load(src_ptr + row)
-    c = tl.arange(0, BK)
-    live = (d * 0 + src) >= 0  # row flags as [BD] vectors: masks stay vector-shaped
-    history = tl.load(states_ptr + tl.maximum(src, 0).to(tl.int64) * stride_slot + d[:, None] * stride_sd
-                      + c[None, :] * stride_sk, mask=(d_in & live)[:, None] & (c < K - 1)[None, :],
-                      other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + d[:, None] * stride_wd + c[None, :], mask=d_in[:, None] & (c < K)[None, :], other=0.0)
-    w = w.to(tl.float32)
-    bias = tl.zeros((BD,), dtype=tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + d, mask=d_in, other=0.0).to(tl.float32)
-    x_row = x_ptr + row * stride_xb
+    channel = d * stride_sd
+    slot = tl.load(src_ptr + row)
     for j in range(width):
         dst = tl.load(dst_ptr + j * stride_dst_w + row)
-        live = live & ((d * 0 + dst) >= 0)
-        # The window of position j: inputs j-K+1 .. j (column t = input j-(K-1)+t).
-        pos = j - (K - 1) + c
-        from_x = (pos >= 0) & (c < K)
-        xv = tl.load(x_row + tl.maximum(pos, 0)[None, :] * stride_xw + d[:, None],
-                     mask=d_in[:, None] & from_x[None, :], other=0.0).to(tl.float32)
-        # History column K-1+pos for taps before the row's first token.
-        hist = tl.zeros((BD, BK), dtype=tl.float32)
-        for h in tl.static_range(K - 1):
-            hcol = tl.sum(tl.where((c == h)[None, :], history, 0.0), axis=1)
-            hist = tl.where((pos == h - (K - 1))[None, :], hcol[:, None], hist)
-        window = tl.where(from_x[None, :], xv, hist)
-        acc = tl.sum(window * w, axis=1) + bias
-        if SILU:
-            acc = acc * tl.sigmoid(acc)
-        acc = tl.where(live, acc, 0.0)
-        tl.store(y_ptr + row * stride_yb + j * stride_yw + d, acc.to(y_ptr.dtype.element_ty), mask=d_in)
-        # The state after position j: the window's last K-1 columns, shifted left by one.
-        tl.store(states_ptr + tl.maximum(dst, 0).to(tl.int64) * stride_slot + d[:, None] * stride_sd
-                 + (c - 1)[None, :] * stride_sk, window.to(states_ptr.dtype.element_ty),
-                 mask=(d_in & live)[:, None] & ((c >= 1) & (c < K))[None, :])
+        if (slot >= 0) & (dst >= 0):  # a padding position ends the row (every later one is padding)
+            x = tl.load(x_ptr + row * stride_xb + j * stride_xw + d, mask=d_in, other=0.0)
+            y = conv_update_channels(x, w_ptr + d * stride_wd, bias_ptr + d,
+                                     states_ptr + slot.to(tl.int64) * stride_slot + channel,
+                                     states_ptr + dst.to(tl.int64) * stride_slot + channel, stride_sk, d_in, K,
+                                     HAS_BIAS, SILU)
+        else:
+            y = tl.zeros((BD,), dtype=tl.float32)
+        tl.store(y_ptr + row * stride_yb + j * stride_yw + d, y.to(y_ptr.dtype.element_ty), mask=d_in)
+        slot = tl.where(dst >= 0, dst, -1)
 
 
 def causal_conv1d_verify(
@@ -298,13 +300,14 @@ def causal_conv1d_verify(
     if batch == 0:
         return y
     x, weight = _unit_last_stride(x), _unit_last_stride(weight)
-    bd = 256  # as the single-token kernel: the same layout sums the taps in the same order
+    bd = 256
     _conv_verify_kernel[(batch, triton.cdiv(dim, bd))](
         x, weight, bias if bias is not None else weight, conv_states, y, src_slots, dst_slots, dim, width,
         x.stride(0), x.stride(1), weight.stride(0), conv_states.stride(0), conv_states.stride(1),
         conv_states.stride(2), y.stride(0), y.stride(1), dst_slots.stride(0),
-        K=k, BK=triton.next_power_of_2(k), HAS_BIAS=bias is not None, SILU=silu, BD=bd, num_warps=4,
-        # No FMA contraction: the verify and single-token kernels then round alike, bit for bit.
-        enable_fp_fusion=False, **pdl(x),
+        K=k, HAS_BIAS=bias is not None, SILU=silu, BD=bd, num_warps=4,
+        # No FMA contraction: every conv_update_channels caller rounds alike, bit for bit.
+        # One stage: position j+1 reads what position j stored, so no load is issued early.
+        enable_fp_fusion=False, num_stages=1, **pdl(x),
     )
     return y

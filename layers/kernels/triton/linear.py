@@ -24,6 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from layers.kernels.triton.conv1d import _check_activation, conv_update_channels, conv_update_into
 from layers.kernels.triton.device import pdl, wait_for_previous_kernel
 
 ROW_TILE = 16  # the tensor-core tile the rows are padded to
@@ -51,11 +52,32 @@ def _row_tile_product(acc, x_ptr, w, rows, k, M, K, stride_xm):
 
 
 @triton.jit
-def _store_rows(acc, b_ptr, y_ptr, rows, cols, M, N, stride_ym, HAS_BIAS: tl.constexpr):
+def _store_rows(acc, b_ptr, y_ptr, rows, cols, M, N, stride_ym, HAS_BIAS: tl.constexpr,
+                conv_start, conv_dim, conv_w_ptr, conv_b_ptr, states_ptr, src_ptr, dst_ptr,
+                stride_cw, stride_slot, stride_sd, stride_sk,
+                CONV: tl.constexpr, CONV_K: tl.constexpr, CONV_BIAS: tl.constexpr, SILU: tl.constexpr):
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rows[:, None] < M) & (cols[None, :] < N))
+    y = acc.to(y_ptr.dtype.element_ty)
+    if CONV:
+        # The conv channels (columns conv_start ..) through the single-token conv update, from
+        # the projection as stored, as the separate conv op reads it; padding rows (src slot
+        # -1) get zeros there and touch no state. Other columns pass unchanged.
+        src = tl.load(src_ptr + rows, mask=rows < M, other=-1)
+        dst = tl.load(dst_ptr + rows, mask=rows < M, other=-1)
+        d = cols - conv_start
+        is_conv = (d >= 0) & (d < conv_dim)
+        d = tl.where(is_conv, d, 0)
+        live = (src >= 0)[:, None] & is_conv[None, :]
+        zero_rows = rows[:, None] * 0  # pointers as [rows, columns] tensors, the mask's shape
+        channel = d.to(tl.int64)[None, :] * stride_sd
+        convolved = conv_update_channels(
+            y, conv_w_ptr + d[None, :] * stride_cw + zero_rows, conv_b_ptr + d[None, :] + zero_rows,
+            states_ptr + tl.maximum(src, 0).to(tl.int64)[:, None] * stride_slot + channel,
+            states_ptr + tl.maximum(dst, 0).to(tl.int64)[:, None] * stride_slot + channel,
+            stride_sk, live, CONV_K, CONV_BIAS, SILU)
+        y = tl.where(is_conv[None, :], tl.where(live, convolved, 0.0).to(y.dtype), y)
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y, mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
 @triton.jit
@@ -71,8 +93,11 @@ def _sum_slices(partial_ptr, rows, cols, N, ROWS: tl.constexpr, SPLIT_K: tl.cons
 @triton.jit(do_not_specialize=["M"])  # the row count changes every step: no recompiles
 def _skinny_linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, partial_ptr, arrivals_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    conv_start, conv_dim, conv_w_ptr, conv_b_ptr, states_ptr, src_ptr, dst_ptr,
+    stride_cw, stride_slot, stride_sd, stride_sk,
     HAS_BIAS: tl.constexpr, ROW_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr, CONV: tl.constexpr, CONV_K: tl.constexpr, CONV_BIAS: tl.constexpr, SILU: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     col_tile = tl.program_id(0)
@@ -92,9 +117,13 @@ def _skinny_linear_kernel(
         if ROW_TILES == 2:
             acc1 = _row_tile_product(acc1, x_ptr, w, rows + 16, k, M, k_stop, stride_xm)
     if SPLIT_K == 1:
-        _store_rows(acc0, b_ptr, y_ptr, rows, cols, M, N, stride_ym, HAS_BIAS)
+        _store_rows(acc0, b_ptr, y_ptr, rows, cols, M, N, stride_ym, HAS_BIAS, conv_start, conv_dim, conv_w_ptr,
+                    conv_b_ptr, states_ptr, src_ptr, dst_ptr, stride_cw, stride_slot, stride_sd, stride_sk, CONV,
+                    CONV_K, CONV_BIAS, SILU)
         if ROW_TILES == 2:
-            _store_rows(acc1, b_ptr, y_ptr, rows + 16, cols, M, N, stride_ym, HAS_BIAS)
+            _store_rows(acc1, b_ptr, y_ptr, rows + 16, cols, M, N, stride_ym, HAS_BIAS, conv_start, conv_dim,
+                        conv_w_ptr, conv_b_ptr, states_ptr, src_ptr, dst_ptr, stride_cw, stride_slot, stride_sd,
+                        stride_sk, CONV, CONV_K, CONV_BIAS, SILU)
     else:
         ROWS: tl.constexpr = 16 * ROW_TILES
         mine = partial_ptr + tl.program_id(1) * ROWS * N
@@ -104,10 +133,14 @@ def _skinny_linear_kernel(
         tl.debug_barrier()  # every thread's partial is stored before the arrival releases them
         if tl.atomic_add(arrivals_ptr + col_tile, 1, sem="acq_rel") == SPLIT_K - 1:
             acc0 = _sum_slices(partial_ptr, rows, cols, N, ROWS, SPLIT_K)
-            _store_rows(acc0, b_ptr, y_ptr, rows, cols, M, N, stride_ym, HAS_BIAS)
+            _store_rows(acc0, b_ptr, y_ptr, rows, cols, M, N, stride_ym, HAS_BIAS, conv_start, conv_dim, conv_w_ptr,
+                        conv_b_ptr, states_ptr, src_ptr, dst_ptr, stride_cw, stride_slot, stride_sd, stride_sk, CONV,
+                        CONV_K, CONV_BIAS, SILU)
             if ROW_TILES == 2:
                 acc1 = _sum_slices(partial_ptr, rows + 16, cols, N, ROWS, SPLIT_K)
-                _store_rows(acc1, b_ptr, y_ptr, rows + 16, cols, M, N, stride_ym, HAS_BIAS)
+                _store_rows(acc1, b_ptr, y_ptr, rows + 16, cols, M, N, stride_ym, HAS_BIAS, conv_start, conv_dim,
+                            conv_w_ptr, conv_b_ptr, states_ptr, src_ptr, dst_ptr, stride_cw, stride_slot, stride_sd,
+                            stride_sk, CONV, CONV_K, CONV_BIAS, SILU)
             tl.atomic_xchg(arrivals_ptr + col_tile, 0)  # ready for the next call
 
 
@@ -164,9 +197,42 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return skinny_linear(x, weight, bias, tiling(*weight.shape))
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: Tiling) -> torch.Tensor:
+@dataclass(frozen=True)
+class ConvUpdate:
+    """The conv update `skinny_linear` applies to output columns [start, start + D) of each
+    row (`KernelOps.linear_conv_update`): conv weight [D, K] (unit tap stride), bias [D] or
+    None, the state pool and each row's src / dst slot."""
+
+    start: int
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    states: torch.Tensor
+    src_slots: torch.Tensor
+    dst_slots: torch.Tensor
+    silu: bool
+
+
+def linear_conv_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_start: int,
+                       conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, conv_states: torch.Tensor,
+                       src_slots: torch.Tensor, dst_slots: torch.Tensor, activation: str | None = "silu") -> torch.Tensor:
+    """The projection and the conv update of its conv columns (see `KernelOps.linear_conv_update`):
+    one kernel where `takes_kernel` (the program that writes an output column convolves it),
+    else `F.linear` followed by the conv update kernel writing in place."""
+    silu = _check_activation(activation)
+    if x.dim() != 2 or not takes_kernel(x, weight, bias):
+        y = F.linear(x, weight, bias)
+        columns = y[:, conv_start:conv_start + conv_weight.shape[0]]
+        conv_update_into(columns, conv_weight, conv_bias, conv_states, src_slots, dst_slots, silu, columns)
+        return y
+    conv = ConvUpdate(conv_start, conv_weight if conv_weight.stride(-1) == 1 else conv_weight.contiguous(), conv_bias,
+                      conv_states, src_slots, dst_slots, silu)
+    return skinny_linear(x, weight, bias, tiling(*weight.shape), conv)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: Tiling,
+                  conv: ConvUpdate | None = None) -> torch.Tensor:
     """The skinny kernel with the given tiles, for inputs `takes_kernel` accepts (benchmarks
-    and tests sweep tilings through it)."""
+    and tests sweep tilings through it), with `conv`'s update of the conv columns if given."""
     n, k = weight.shape
     if x.numel() == 0 or (tiles.split > 1 and triton.cdiv(n, tiles.block_n) * tiles.split > MAX_SPLIT_PROGRAMS):
         raise ValueError(f"skinny_linear: no rows, or a split grid over {MAX_SPLIT_PROGRAMS} programs ({tiles})")
@@ -178,10 +244,21 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     split = tiles.split > 1  # unsplit: no partials (`out` stands in for the unused pointer)
     partials = torch.empty((tiles.split, row_tiles * ROW_TILE, n), dtype=torch.float32, device=x.device) if split else out
+    if conv is None:  # (`out` stands in for the unused pointers)
+        conv_args = (0, 0, out, out, out, out, out, 0, 0, 0, 0)
+        conv_k, conv_bias = 2, False
+    else:
+        conv_args = (conv.start, conv.weight.shape[0], conv.weight, conv.bias if conv.bias is not None else conv.weight,
+                     conv.states, conv.src_slots, conv.dst_slots, conv.weight.stride(0), *conv.states.stride())
+        conv_k, conv_bias = conv.weight.shape[1], conv.bias is not None
     _skinny_linear_kernel[(triton.cdiv(n, tiles.block_n), tiles.split)](
         flat, weight, bias if bias is not None else weight, out, partials, _arrival_counters(x.device), rows, n, k,
-        flat.stride(0), weight.stride(0), out.stride(0),
+        flat.stride(0), weight.stride(0), out.stride(0), *conv_args,
         HAS_BIAS=bias is not None, ROW_TILES=row_tiles, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        SPLIT_K=tiles.split, num_warps=4, num_stages=4, **pdl(flat),
+        SPLIT_K=tiles.split, CONV=conv is not None, CONV_K=conv_k, CONV_BIAS=conv_bias,
+        SILU=conv is not None and conv.silu, num_warps=4, num_stages=4,
+        # No FMA contraction (only the conv epilogue has products to contract): it rounds
+        # as the conv kernels do, bit for bit.
+        enable_fp_fusion=False, **pdl(flat),
     )
     return out.view(*x.shape[:-1], n)
