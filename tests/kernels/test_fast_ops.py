@@ -226,6 +226,7 @@ def test_linear_conv_update(dtype: torch.dtype, rows: int, in_place: bool, shape
     x = randn(rows, k, dtype=dtype)
     weight, bias = randn(n, k, dtype=dtype, scale=k ** -0.5), randn(n, dtype=dtype)
     conv_w, conv_b = randn(conv_dim, width, dtype=dtype), randn(conv_dim, dtype=dtype)
+    initial = states.clone()
     expected_states, separate_states = states.clone(), states.clone()
     out = linear.linear_conv_update(x, weight, bias, conv_start, conv_w, conv_b, states, src, dst)
     expected = ref.linear_conv_update(x, weight, bias, conv_start, conv_w, conv_b, expected_states, src, dst)
@@ -239,6 +240,11 @@ def test_linear_conv_update(dtype: torch.dtype, rows: int, in_place: bool, shape
                                                        dst)
     assert torch.equal(out, separate)
     assert torch.equal(states[dst[valid]], separate_states[dst[valid]])
+    if dtype != torch.float32 and rows <= linear.MAX_ROWS:  # the epilogue itself at two row tiles too
+        epilogue_states = initial.clone()
+        conv = linear.ConvUpdate(conv_start, conv_w, conv_b, epilogue_states, src, dst, silu=True)
+        assert torch.equal(linear.skinny_linear(x, weight, bias, linear.tiling(n, k), conv), separate)
+        assert torch.equal(epilogue_states[dst[valid]], separate_states[dst[valid]])
 
 
 # ---------------------------------------------------------------- conv1d

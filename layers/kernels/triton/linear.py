@@ -32,6 +32,9 @@ MAX_ROWS = 2 * ROW_TILE  # past a decode step's 32 rows cuBLAS's tiled GEMMs tak
 MAX_SPLIT_PROGRAMS = 128  # K is split only while the grid stays within this many programs ...
 MIN_SLICE = 256  # ... and each slice keeps at least this many K columns
 _DTYPES = (torch.bfloat16, torch.float16)
+# The conv epilogue runs for one row tile: with two, the kernel reached 255 registers and a
+# granite-4.0-h-tiny step at batch 32 took 7.58 ms against 7.41 with the separate conv kernel.
+CONV_EPILOGUE_ROWS = ROW_TILE
 
 
 @dataclass(frozen=True)
@@ -216,11 +219,12 @@ def linear_conv_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                        conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, conv_states: torch.Tensor,
                        src_slots: torch.Tensor, dst_slots: torch.Tensor, activation: str | None = "silu") -> torch.Tensor:
     """The projection and the conv update of its conv columns (see `KernelOps.linear_conv_update`):
-    one kernel where `takes_kernel` (the program that writes an output column convolves it),
-    else `F.linear` followed by the conv update kernel writing in place."""
+    one kernel for up to CONV_EPILOGUE_ROWS rows that `takes_kernel` (the program that writes
+    an output column convolves it), else `linear` followed by the conv update kernel writing
+    in place. Both round alike, bit for bit."""
     silu = _check_activation(activation)
-    if x.dim() != 2 or not takes_kernel(x, weight, bias):
-        y = F.linear(x, weight, bias)
+    if x.dim() != 2 or x.shape[0] > CONV_EPILOGUE_ROWS or not takes_kernel(x, weight, bias):
+        y = linear(x, weight, bias)
         columns = y[:, conv_start:conv_start + conv_weight.shape[0]]
         conv_update_into(columns, conv_weight, conv_bias, conv_states, src_slots, dst_slots, silu, columns)
         return y
