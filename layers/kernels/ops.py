@@ -56,10 +56,10 @@ class KernelOps(Protocol):
                            activation: str | None = "silu") -> torch.Tensor:
         """A Mamba-2 decode step's in_proj and conv update as one op: y = linear(x, weight,
         bias), then y's columns [conv_start, conv_start + D) replaced by
-        `causal_conv1d_update` of them (D = conv_weight.shape[0]; row b's state from
-        `src_slots[b]` to `dst_slots[b]`, -1: a padding row, zeros there). x: [B, K], one
-        decode token per row. Returns y [B, N] in x's dtype; the other columns are exactly
-        `linear`'s."""
+        `causal_conv1d_update` of them (D = conv_weight.shape[0], conv_start + D <= N; row
+        b's state from `src_slots[b]` to `dst_slots[b]`, both [B], -1: a padding row, zeros
+        there). x: [B, K], one decode token per row. Returns y [B, N] in x's dtype; the other
+        columns are exactly `linear`'s."""
 
     def relu_square(self, x: torch.Tensor) -> torch.Tensor:
         """relu(x)^2 elementwise (NemotronH's MLP activation), squared in float32 and rounded

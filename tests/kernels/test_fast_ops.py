@@ -208,28 +208,31 @@ def test_linear_leaves_other_inputs_to_torch() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 5, 17, 32, 33])  # 33: past MAX_ROWS, F.linear + the conv kernel in place
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33])  # 17-32: F.linear or `linear`, then the conv kernel in place
 @pytest.mark.parametrize("in_place", [False, True])
-@pytest.mark.parametrize("shape,conv_start,conv_dim", [((700, 256), 150, 400), ((200, 1000), 30, 130)])
+@pytest.mark.parametrize("shape,conv_start,conv_dim,silu", [((700, 256), 150, 400, True), ((200, 1000), 30, 130, False)])
 def test_linear_conv_update(dtype: torch.dtype, rows: int, in_place: bool, shape: tuple[int, int], conv_start: int,
-                            conv_dim: int) -> None:
-    """The fused in_proj + conv update (an unsplit and a split tiling, the conv columns
-    inside ragged column tiles) against the reference, and bit for bit the separate fast
-    ops: the projection, then `causal_conv1d_update` of its conv columns. Padding rows get
-    zeros in the conv columns and touch no state; the other columns are the projection's."""
+                            conv_dim: int, silu: bool) -> None:
+    """The fused in_proj + conv update (an unsplit tiling with conv bias and SiLU, a split one
+    with neither, the conv columns inside ragged column tiles) against the reference, and
+    bit for bit the separate fast ops: the projection, then `causal_conv1d_update` of its
+    conv columns. Padding rows get zeros in the conv columns and touch no state; the other
+    columns are the projection's."""
     n, k = shape
     width = 4
+    activation = "silu" if silu else None
     src, dst, valid, num_slots = slot_plan(every_third_padded(rows), in_place)
     states = randn(num_slots, conv_dim, width - 1, dtype=dtype)
     if not in_place:
         states[dst[valid]] = float("nan")
     x = randn(rows, k, dtype=dtype)
     weight, bias = randn(n, k, dtype=dtype, scale=k ** -0.5), randn(n, dtype=dtype)
-    conv_w, conv_b = randn(conv_dim, width, dtype=dtype), randn(conv_dim, dtype=dtype)
+    conv_w, conv_b = randn(conv_dim, width, dtype=dtype), (randn(conv_dim, dtype=dtype) if silu else None)
     initial = states.clone()
     expected_states, separate_states = states.clone(), states.clone()
-    out = linear.linear_conv_update(x, weight, bias, conv_start, conv_w, conv_b, states, src, dst)
-    expected = ref.linear_conv_update(x, weight, bias, conv_start, conv_w, conv_b, expected_states, src, dst)
+    out = linear.linear_conv_update(x, weight, bias, conv_start, conv_w, conv_b, states, src, dst, activation)
+    expected = ref.linear_conv_update(x, weight, bias, conv_start, conv_w, conv_b, expected_states, src, dst,
+                                      activation)
     assert out.shape == (rows, n) and out.dtype == dtype
     assert_close(out[valid].float(), expected[valid].float(), TOL[dtype])
     columns = slice(conv_start, conv_start + conv_dim)
@@ -237,14 +240,22 @@ def test_linear_conv_update(dtype: torch.dtype, rows: int, in_place: bool, shape
     check_pool(states, expected_states, dst[valid], TOL[dtype])
     separate = linear.linear(x, weight, bias)
     separate[:, columns] = conv1d.causal_conv1d_update(separate[:, columns], conv_w, conv_b, separate_states, src,
-                                                       dst)
+                                                       dst, activation)
     assert torch.equal(out, separate)
     assert torch.equal(states[dst[valid]], separate_states[dst[valid]])
-    if dtype != torch.float32 and rows <= linear.MAX_ROWS:  # the epilogue itself at two row tiles too
+    if dtype != torch.float32 and linear.CONV_EPILOGUE_ROWS < rows <= linear.MAX_ROWS:  # the epilogue at two row tiles
         epilogue_states = initial.clone()
-        conv = linear.ConvUpdate(conv_start, conv_w, conv_b, epilogue_states, src, dst, silu=True)
+        conv = linear.ConvUpdate(conv_start, conv_w, conv_b, epilogue_states, src, dst, silu)
         assert torch.equal(linear.skinny_linear(x, weight, bias, linear.tiling(n, k), conv), separate)
         assert torch.equal(epilogue_states[dst[valid]], separate_states[dst[valid]])
+
+
+def test_linear_conv_update_takes_decode_rows_only() -> None:
+    """x must be [rows, K]: one decode token per row."""
+    with pytest.raises(ValueError, match="rows, K"):
+        linear.linear_conv_update(randn(1, 2, 64, dtype=LOW), randn(96, 64, dtype=LOW), None, 0, randn(32, 4, dtype=LOW),
+                                  None, randn(3, 32, 3, dtype=LOW), torch.zeros(2, dtype=torch.int64, device=DEVICE),
+                                  torch.ones(2, dtype=torch.int64, device=DEVICE))
 
 
 # ---------------------------------------------------------------- conv1d
@@ -498,9 +509,14 @@ def test_decode_ops_capture_in_cuda_graph() -> None:
     weights, ids = torch.softmax(randn(batch, 2), dim=-1), torch.rand(batch, 8, device=DEVICE).argsort(dim=1)[:, :2]
     logits = randn(batch, 8)
     bias = randn(8)
+    proj_x, proj_w = randn(batch, 1000, dtype=torch.bfloat16), randn(200, 1000, dtype=torch.bfloat16, scale=0.03)
+    proj_states = randn(num_slots, 130, width - 1, dtype=torch.bfloat16)
+    proj_conv_w = randn(130, width, dtype=torch.bfloat16)
+    assert linear.tiling(200, 1000).split > 1  # the conv epilogue behind the split-K fix-up
 
     def step():
-        return (conv1d.causal_conv1d_update(conv_x, conv_w, None, conv_states, src, dst),
+        return (linear.linear_conv_update(proj_x, proj_w, None, 30, proj_conv_w, None, proj_states, src, dst),
+                conv1d.causal_conv1d_update(conv_x, conv_w, None, conv_states, src, dst),
                 ssm_update.ssm_state_update(ssm_states, x, dt, a, b, c, d_skip, src, dst),
                 attention.paged_attention(q, k_cache, v_cache, tables, lens, cu, 0.1, max_seqlen_q=1, num_decode=batch),
                 moe.moe_experts(mx, w_up, w_down, weights, ids, "relu2"),
@@ -516,12 +532,13 @@ def test_decode_ops_capture_in_cuda_graph() -> None:
     with torch.cuda.graph(graph):
         outs = step()
 
-    for tensor in (conv_x, x, dt, b, c, q, mx, weights, logits):
+    for tensor in (proj_x, conv_x, x, dt, b, c, q, mx, weights, logits):
         tensor.copy_(torch.randn_like(tensor.float()).to(tensor.dtype))
     lens.copy_(torch.tensor([9, 0, 80, 1, 48, 32], dtype=torch.int32, device=DEVICE))
     ids.copy_(torch.stack([torch.randperm(8, device=DEVICE)[:2] for _ in range(batch)]))
-    conv_expected, ssm_expected = conv_states.clone(), ssm_states.clone()
-    expected = (ref.causal_conv1d_update(conv_x, conv_w, None, conv_expected, src, dst),
+    proj_expected, conv_expected, ssm_expected = proj_states.clone(), conv_states.clone(), ssm_states.clone()
+    expected = (ref.linear_conv_update(proj_x, proj_w, None, 30, proj_conv_w, None, proj_expected, src, dst),
+                ref.causal_conv1d_update(conv_x, conv_w, None, conv_expected, src, dst),
                 ref.ssm_state_update(ssm_expected, x, dt, a, b, c, d_skip, src, dst),
                 ref.paged_attention(q, k_cache, v_cache, tables, lens, cu, 0.1),
                 ref.moe_experts(mx, w_up, w_down, weights, ids, "relu2"),
@@ -529,11 +546,12 @@ def test_decode_ops_capture_in_cuda_graph() -> None:
                 *ref.route_softmax_topk(logits, 2))
     graph.replay()
     torch.cuda.synchronize()
-    for got, want in zip(outs[:4], expected[:4]):
+    for got, want in zip(outs[:5], expected[:5]):
         assert_close(got.float(), want.float(), 1e-2)
-    assert_close(outs[4].sort(1)[0], expected[4].sort(1)[0], 1e-5)
-    assert torch.equal(outs[5].sort(1)[0], expected[5].sort(1)[0])
-    assert torch.equal(outs[7], expected[7])
-    assert (outs[6] - expected[6]).abs().max().item() < 1e-6
+    assert_close(outs[5].sort(1)[0], expected[5].sort(1)[0], 1e-5)
+    assert torch.equal(outs[6].sort(1)[0], expected[6].sort(1)[0])
+    assert torch.equal(outs[8], expected[8])
+    assert (outs[7] - expected[7]).abs().max().item() < 1e-6
+    check_pool(proj_states, proj_expected, dst[valid], 1e-2)
     check_pool(conv_states, conv_expected, dst[valid], 1e-2)
     check_pool(ssm_states, ssm_expected, dst[valid], 1e-5)

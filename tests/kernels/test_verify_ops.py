@@ -19,12 +19,14 @@ SLOTS = 40
 
 
 def _slots(in_place: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row i starts from slot i; its positions write slots 10+5i.. (row 0 writes its own
-    src at position 0 when `in_place`); row 1 has 2 real positions, row 3 is padding."""
+    """Row i starts from slot i; its positions write slots 10+5i.. (when `in_place`, row 0
+    writes its own src at position 0 and row 2 at position 3); row 1 has 2 real positions,
+    row 3 is padding."""
     src = torch.arange(ROWS)
     dst = torch.stack([10 + 5 * i + torch.arange(WIDTH) for i in range(ROWS)])  # [rows, width]
     if in_place:
         dst[0, 0] = 0
+        dst[2, 3] = 2  # a later position writes the row's src slot
     dst[1, 2:] = -1
     src[3] = -1
     dst[3] = -1
@@ -68,7 +70,7 @@ def test_ssm_state_verify(dtype, in_place):
 def test_causal_conv1d_verify(dtype, in_place):
     torch.manual_seed(1)
     src, dst = _slots(in_place)
-    dim = 200  # not a multiple of the channel block
+    dim = 300  # two channel blocks, the second ragged
     x = torch.randn(ROWS, WIDTH, dim + 7, device="cuda", dtype=dtype)[..., :dim]  # strided rows
     weight = torch.randn(dim, CONV_K, device="cuda", dtype=dtype)
     bias = torch.randn(dim, device="cuda", dtype=dtype)

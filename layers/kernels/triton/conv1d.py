@@ -11,7 +11,8 @@ import triton.language as tl
 from layers.kernels.triton.device import pdl, wait_for_previous_kernel
 
 
-def _check_activation(activation: str | None) -> bool:
+def check_activation(activation: str | None) -> bool:
+    """Whether the conv applies SiLU (`activation` "silu" / "swish"; None: no activation)."""
     if activation is None:
         return False
     if activation in ("silu", "swish"):
@@ -138,7 +139,7 @@ def causal_conv1d_varlen(
     A sequence's dst slot must not be another sequence's src slot (each request owns its
     slots; src == dst of one sequence is fine): final states go straight to the dst slots.
     """
-    silu = _check_activation(activation)
+    silu = check_activation(activation)
     num_tokens, dim = x.shape
     k = weight.shape[1]
     num_seqs = src_slots.shape[0]
@@ -245,7 +246,7 @@ def causal_conv1d_update(
     CUDA-graph capturable. A row's dst slot must not be another row's src slot (each row
     owns its slots; src == dst of the same row is fine).
     """
-    silu = _check_activation(activation)
+    silu = check_activation(activation)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     conv_update_into(x, weight, bias, conv_states, src_slots, dst_slots, silu, y)
     return y
@@ -278,7 +279,7 @@ def _conv_verify_kernel(
         else:
             y = tl.zeros((BD,), dtype=tl.float32)
         tl.store(y_ptr + row * stride_yb + j * stride_yw + d, y.to(y_ptr.dtype.element_ty), mask=d_in)
-        slot = tl.where(dst >= 0, dst, -1)
+        slot = tl.where((slot >= 0) & (dst >= 0), dst, -1)  # a padding row or position ends the row
 
 
 def causal_conv1d_verify(
@@ -293,7 +294,7 @@ def causal_conv1d_verify(
     """Verify rows: `width` tokens per row through the single-token conv update, one
     kernel; the state after position j goes to dst_slots[j] ([W, B], -1: padding).
     x: [B, W, D] (unit channel stride). Returns [B, W, D] in x's dtype."""
-    silu = _check_activation(activation)
+    silu = check_activation(activation)
     batch, width, dim = x.shape
     k = weight.shape[1]
     y = torch.empty((batch, width, dim), dtype=x.dtype, device=x.device)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from layers.kernels.triton.conv1d import _check_activation, conv_update_channels, conv_update_into
+from layers.kernels.triton.conv1d import check_activation, conv_update_channels, conv_update_into
 from layers.kernels.triton.device import pdl, wait_for_previous_kernel
 
 ROW_TILE = 16  # the tensor-core tile the rows are padded to
@@ -71,7 +71,7 @@ def _store_rows(acc, b_ptr, y_ptr, rows, cols, M, N, stride_ym, HAS_BIAS: tl.con
         d = cols - conv_start
         is_conv = (d >= 0) & (d < conv_dim)
         d = tl.where(is_conv, d, 0)
-        live = (src >= 0)[:, None] & is_conv[None, :]
+        live = ((src >= 0) & (dst >= 0))[:, None] & is_conv[None, :]
         zero_rows = rows[:, None] * 0  # pointers as [rows, columns] tensors, the mask's shape
         channel = d.to(tl.int64)[None, :] * stride_sd
         convolved = conv_update_channels(
@@ -119,31 +119,25 @@ def _skinny_linear_kernel(
         acc0 = _row_tile_product(acc0, x_ptr, w, rows, k, M, k_stop, stride_xm)
         if ROW_TILES == 2:
             acc1 = _row_tile_product(acc1, x_ptr, w, rows + 16, k, M, k_stop, stride_xm)
-    if SPLIT_K == 1:
-        _store_rows(acc0, b_ptr, y_ptr, rows, cols, M, N, stride_ym, HAS_BIAS, conv_start, conv_dim, conv_w_ptr,
-                    conv_b_ptr, states_ptr, src_ptr, dst_ptr, stride_cw, stride_slot, stride_sd, stride_sk, CONV,
-                    CONV_K, CONV_BIAS, SILU)
-        if ROW_TILES == 2:
-            _store_rows(acc1, b_ptr, y_ptr, rows + 16, cols, M, N, stride_ym, HAS_BIAS, conv_start, conv_dim,
-                        conv_w_ptr, conv_b_ptr, states_ptr, src_ptr, dst_ptr, stride_cw, stride_slot, stride_sd,
-                        stride_sk, CONV, CONV_K, CONV_BIAS, SILU)
-    else:
+    last = True  # this program stores its column tile: the only one, or the last of its slices to arrive
+    if SPLIT_K > 1:
         ROWS: tl.constexpr = 16 * ROW_TILES
         mine = partial_ptr + tl.program_id(1) * ROWS * N
         tl.store(mine + rows[:, None] * N + cols[None, :], acc0, mask=cols[None, :] < N)
         if ROW_TILES == 2:
             tl.store(mine + (rows + 16)[:, None] * N + cols[None, :], acc1, mask=cols[None, :] < N)
         tl.debug_barrier()  # every thread's partial is stored before the arrival releases them
-        if tl.atomic_add(arrivals_ptr + col_tile, 1, sem="acq_rel") == SPLIT_K - 1:
+        last = tl.atomic_add(arrivals_ptr + col_tile, 1, sem="acq_rel") == SPLIT_K - 1
+        if last:
             acc0 = _sum_slices(partial_ptr, rows, cols, N, ROWS, SPLIT_K)
-            _store_rows(acc0, b_ptr, y_ptr, rows, cols, M, N, stride_ym, HAS_BIAS, conv_start, conv_dim, conv_w_ptr,
-                        conv_b_ptr, states_ptr, src_ptr, dst_ptr, stride_cw, stride_slot, stride_sd, stride_sk, CONV,
-                        CONV_K, CONV_BIAS, SILU)
             if ROW_TILES == 2:
                 acc1 = _sum_slices(partial_ptr, rows + 16, cols, N, ROWS, SPLIT_K)
-                _store_rows(acc1, b_ptr, y_ptr, rows + 16, cols, M, N, stride_ym, HAS_BIAS, conv_start, conv_dim,
-                            conv_w_ptr, conv_b_ptr, states_ptr, src_ptr, dst_ptr, stride_cw, stride_slot, stride_sd,
-                            stride_sk, CONV, CONV_K, CONV_BIAS, SILU)
+    if last:
+        for tile in tl.static_range(ROW_TILES):
+            _store_rows(acc0 if tile == 0 else acc1, b_ptr, y_ptr, rows + 16 * tile, cols, M, N, stride_ym, HAS_BIAS,
+                        conv_start, conv_dim, conv_w_ptr, conv_b_ptr, states_ptr, src_ptr, dst_ptr, stride_cw,
+                        stride_slot, stride_sd, stride_sk, CONV, CONV_K, CONV_BIAS, SILU)
+        if SPLIT_K > 1:
             tl.atomic_xchg(arrivals_ptr + col_tile, 0)  # ready for the next call
 
 
@@ -222,8 +216,10 @@ def linear_conv_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     one kernel for up to CONV_EPILOGUE_ROWS rows that `takes_kernel` (the program that writes
     an output column convolves it), else `linear` followed by the conv update kernel writing
     in place. Both round alike, bit for bit."""
-    silu = _check_activation(activation)
-    if x.dim() != 2 or x.shape[0] > CONV_EPILOGUE_ROWS or not takes_kernel(x, weight, bias):
+    silu = check_activation(activation)
+    if x.dim() != 2:
+        raise ValueError(f"linear_conv_update: x must be [rows, K] (one decode token per row), got {tuple(x.shape)}")
+    if x.shape[0] > CONV_EPILOGUE_ROWS or not takes_kernel(x, weight, bias):
         y = linear(x, weight, bias)
         columns = y[:, conv_start:conv_start + conv_weight.shape[0]]
         conv_update_into(columns, conv_weight, conv_bias, conv_states, src_slots, dst_slots, silu, columns)
