@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Op families a decode step calls; graphs need every one to be sync-free (the fast ops).
 DECODE_OPS = ("add_rms_norm", "gated_rms_norm", "linear_conv_update", "causal_conv1d_update", "ssm_state_update",
-              "causal_conv1d_verify", "ssm_state_verify", "write_kv_cache", "paged_attention", "moe_experts")
+              "causal_conv1d_verify", "ssm_state_verify", "write_kv_cache", "paged_attention", "moe_experts",
+              "logits_argmax")
 
 
 class DecodeGraphs:

@@ -20,7 +20,7 @@ from cache.step_buffer import (NEUTRAL_SAMPLING, SAMPLING, SAMPLING_F32_ROWS, SE
                                StepBuffer, TokenFields)
 from hybrid_engine.models.base import HybridForCausalLM
 from hybrid_engine.request import Request
-from hybrid_engine.sampling import GREEDY_BELOW_TEMPERATURE, SamplingTensors, sample
+from hybrid_engine.sampling import GREEDY_BELOW_TEMPERATURE, SamplerOutput, SamplingTensors, sample
 from hybrid_engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from hybrid_engine.scheduler import ScheduledChunk, SchedulerOutput
 from hybrid_engine.step import StepHandle, StepPlan
@@ -521,9 +521,13 @@ class ModelRunner:
         logits_indices = meta.logits_indices
         if width > 1:  # every position of a verify row is sampled
             logits_indices = torch.cat((self._positions[: nd * width], logits_indices[nd:]))
-        logits = self.model.compute_logits(hidden[logits_indices])
-        out = sample(logits, self._sampling_tensors(plan, meta, input_ids), num_logprobs=plan.num_logprobs,
-                     all_greedy=plan.all_greedy, use_penalties=plan.use_penalties)
+        if plan.all_greedy and plan.num_logprobs < 0 and not plan.use_penalties:
+            # `sample` would take the logits' argmax: one op from the LM head's output instead
+            out = SamplerOutput(sampled_token_ids=self.model.greedy_tokens(hidden[logits_indices]))
+        else:
+            logits = self.model.compute_logits(hidden[logits_indices])
+            out = sample(logits, self._sampling_tensors(plan, meta, input_ids), num_logprobs=plan.num_logprobs,
+                         all_greedy=plan.all_greedy, use_penalties=plan.use_penalties)
         tokens = out.sampled_token_ids
         if width == 1:
             self._sampled[: plan.num_seqs].copy_(tokens)

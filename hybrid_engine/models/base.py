@@ -47,7 +47,7 @@ class HybridForCausalLM(nn.Module):
 
     A family subclass sets `block` (built as `block(config, layer_kind, ops=ops, tp=tp)`, called as
     `block(x, residual, meta) -> (output, residual)`, see `forward`) and the checkpoint names
-    of its embedding table and final norm; it overrides `embed` / `compute_logits` /
+    of its embedding table and final norm; it overrides `embed` / `logits_divisor` /
     `branch_scale` where its model scales them.
     """
 
@@ -61,6 +61,7 @@ class HybridForCausalLM(nn.Module):
         validate_tensor_parallel(config, tp.world_size, tp.expert_parallel)
         c = self.config = config
         self.tp = tp
+        self.ops = ops
         self.model = nn.Module()
         self.model.add_module(self.embeddings_name, VocabParallelEmbedding(c.vocab_size, c.hidden_size, tp=tp))
         self.model.layers = nn.ModuleList(self.block(c, kind, ops=ops, tp=tp) for kind in c.layer_types)
@@ -100,9 +101,19 @@ class HybridForCausalLM(nn.Module):
         """Share the embedding table with the LM head (`tie_word_embeddings`)."""
         self.lm_head.weight = self.input_embeddings().weight
 
+    def logits_divisor(self) -> float | None:
+        """What the LM head's output is divided by to give the logits (None: nothing)."""
+        return None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [rows, vocab] for the given hidden rows (all of them on every rank)."""
-        return self.lm_head(hidden).float()
+        raw, divisor = self.lm_head(hidden), self.logits_divisor()
+        return (raw if divisor is None else raw / divisor).float()
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The argmax of `compute_logits(hidden)` per row (int64 [rows]), without the float32
+        logits: the scaling, cast and argmax are one op (`KernelOps.logits_argmax`)."""
+        return self.ops.logits_argmax(self.lm_head(hidden), self.logits_divisor())
 
     def mamba_mixers(self) -> list[Mamba2Mixer]:
         """Mamba layers in order; their index is the layer's index in the Mamba state pools."""

@@ -74,8 +74,8 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().embed(input_ids) * self.config.embedding_multiplier
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return (self.lm_head(hidden) / self.config.logits_scaling).float()
+    def logits_divisor(self) -> float | None:
+        return self.config.logits_scaling
 
     def branch_scale(self) -> float | None:
         return self.config.residual_multiplier

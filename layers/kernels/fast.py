@@ -15,6 +15,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "attention": ("write_kv_cache", "paged_attention"),
     "moe_routing": ("route_sigmoid_grouped", "route_softmax_topk"),
     "moe": ("moe_experts",),
+    "sampling": ("logits_argmax",),
 }
 
 

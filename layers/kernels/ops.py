@@ -154,6 +154,13 @@ class KernelOps(Protocol):
         Accumulates in float32, returns x's dtype."""
 
 
+    def logits_argmax(self, logits: torch.Tensor, divisor: float | None = None) -> torch.Tensor:
+        """Greedy sampling from the LM head's raw output: per row, the argmax of
+        `(logits / divisor).float()` (divisor None: `logits.float()`), the division rounded
+        to logits' dtype as torch rounds it on logits' device, then the first index among
+        equal maxima, a NaN counting as the maximum (torch.argmax's rule). logits: [rows, V];
+        returns int64 [rows]. The fast op does the division, cast and argmax in one kernel."""
+
 # Every op of the protocol, in definition order.
 OP_NAMES: tuple[str, ...] = tuple(
     name for name, member in vars(KernelOps).items() if callable(member) and not name.startswith("_")

@@ -32,7 +32,8 @@ else:
 
 import triton  # noqa: E402
 
-from layers.kernels.triton import activation, attention, conv1d, linear, moe, moe_routing, norm, ssm_update  # noqa: E402
+from layers.kernels.triton import (activation, attention, conv1d, device, linear, moe, moe_routing, norm,  # noqa: E402
+                                  sampling, ssm_update)
 
 LOW = torch.float16 if INTERPRET else torch.bfloat16
 DTYPES = [LOW, torch.float32]
@@ -131,6 +132,45 @@ def test_relu_square(dtype: torch.dtype, shape: tuple[int, int]) -> None:
         activation.relu_square(randn(8, 8, dtype=dtype).t())
 
 
+# ---------------------------------------------------------------- sampling
+
+# Divisors whose quotient torch rounds alike on the CPU (true division) and on the GPU
+# (times the float32 reciprocal, which the kernel copies): powers of two under the
+# interpreter; on the GPU also Granite's 6 and an inexact one.
+DIVISORS = [None, 0.5, 4] if INTERPRET else [None, 0.5, 6, 0.37]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("divisor", DIVISORS)
+@pytest.mark.parametrize("rows, vocab", [(1, 1000), (5, 3001), (33, 2500), (70, 1500), (3, 131072)])
+def test_logits_argmax(dtype: torch.dtype, divisor: float | None, rows: int, vocab: int) -> None:
+    """Bit-exact torch.argmax of the scaled float logits: many ties (values rounded to
+    integers), a row with NaNs (the first one wins), a row of -inf (index 0), a row of equal
+    values, a row whose maximum sits in its last chunk; a row-strided view; several chunks
+    per row and, at 70 rows, several row tiles in the last program's reduction."""
+    wide = (randn(rows, vocab + 7, scale=4.0).round()).to(dtype)
+    logits = wide[:, :vocab]
+    logits[0, vocab - 1] = 1e4
+    if rows > 2:
+        logits[1, [vocab // 2, 17, vocab - 3]] = float("nan")
+        logits[2] = float("-inf")
+        logits[rows - 1] = 3.0
+    out = sampling.logits_argmax(logits, divisor)
+    expected = ref.logits_argmax(logits, divisor)
+    assert out.dtype == torch.int64 and torch.equal(out, expected)
+    assert out[0] == vocab - 1
+    if rows > 2:
+        assert out[1] == 17 and out[2] == 0 and out[rows - 1] == 0
+    assert not device.arrival_counters(logits.device).any()  # left zero for the next kernel
+
+
+def test_logits_argmax_falls_back_to_the_reference() -> None:
+    """Shapes the kernel does not take (1-D, no rows, an integer dtype) give the reference's
+    answer."""
+    for logits in (randn(50, dtype=LOW), randn(0, 40, dtype=LOW), torch.randint(0, 9, (3, 40), device=DEVICE)):
+        assert torch.equal(sampling.logits_argmax(logits), ref.logits_argmax(logits))
+
+
 # ---------------------------------------------------------------- linear
 
 
@@ -184,7 +224,7 @@ def test_linear_split_is_deterministic_and_leaves_counters_zero(split: int) -> N
     out = linear.skinny_linear(x, weight, None, tiles)
     assert_close(out.float(), F.linear(x.float(), weight.float()), TOL[LOW])
     assert torch.equal(linear.skinny_linear(x, weight, None, tiles), out)
-    assert not linear._arrival_counters(x.device).any()
+    assert not device.arrival_counters(x.device).any()
     if not INTERPRET:
         for row in (0, 15, 16, 31):
             assert torch.equal(linear.skinny_linear(x[row:row + 1], weight, None, tiles)[0], out[row])
@@ -513,6 +553,7 @@ def test_decode_ops_capture_in_cuda_graph() -> None:
     proj_states = randn(num_slots, 130, width - 1, dtype=torch.bfloat16)
     proj_conv_w = randn(130, width, dtype=torch.bfloat16)
     assert linear.tiling(200, 1000).split > 1  # the conv epilogue behind the split-K fix-up
+    lm_out = randn(batch, 3000, dtype=torch.bfloat16, scale=4.0)
 
     def step():
         return (linear.linear_conv_update(proj_x, proj_w, None, 30, proj_conv_w, None, proj_states, src, dst),
@@ -521,7 +562,8 @@ def test_decode_ops_capture_in_cuda_graph() -> None:
                 attention.paged_attention(q, k_cache, v_cache, tables, lens, cu, 0.1, max_seqlen_q=1, num_decode=batch),
                 moe.moe_experts(mx, w_up, w_down, weights, ids, "relu2"),
                 *moe_routing.route_sigmoid_grouped(logits, bias, 2, 2, 1, True, 2.5),
-                *moe_routing.route_softmax_topk(logits, 2))
+                *moe_routing.route_softmax_topk(logits, 2),
+                sampling.logits_argmax(lm_out, 6))
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -532,7 +574,7 @@ def test_decode_ops_capture_in_cuda_graph() -> None:
     with torch.cuda.graph(graph):
         outs = step()
 
-    for tensor in (proj_x, conv_x, x, dt, b, c, q, mx, weights, logits):
+    for tensor in (proj_x, conv_x, x, dt, b, c, q, mx, weights, logits, lm_out):
         tensor.copy_(torch.randn_like(tensor.float()).to(tensor.dtype))
     lens.copy_(torch.tensor([9, 0, 80, 1, 48, 32], dtype=torch.int32, device=DEVICE))
     ids.copy_(torch.stack([torch.randperm(8, device=DEVICE)[:2] for _ in range(batch)]))
@@ -543,7 +585,8 @@ def test_decode_ops_capture_in_cuda_graph() -> None:
                 ref.paged_attention(q, k_cache, v_cache, tables, lens, cu, 0.1),
                 ref.moe_experts(mx, w_up, w_down, weights, ids, "relu2"),
                 *ref.route_sigmoid_grouped(logits, bias, 2, 2, 1, True, 2.5),
-                *ref.route_softmax_topk(logits, 2))
+                *ref.route_softmax_topk(logits, 2),
+                ref.logits_argmax(lm_out, 6))
     graph.replay()
     torch.cuda.synchronize()
     for got, want in zip(outs[:5], expected[:5]):
@@ -552,6 +595,7 @@ def test_decode_ops_capture_in_cuda_graph() -> None:
     assert torch.equal(outs[6].sort(1)[0], expected[6].sort(1)[0])
     assert torch.equal(outs[8], expected[8])
     assert (outs[7] - expected[7]).abs().max().item() < 1e-6
+    assert torch.equal(outs[9], expected[9])
     check_pool(proj_states, proj_expected, dst[valid], 1e-2)
     check_pool(conv_states, conv_expected, dst[valid], 1e-2)
     check_pool(ssm_states, ssm_expected, dst[valid], 1e-5)

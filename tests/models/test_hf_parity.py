@@ -21,16 +21,20 @@ def test_prefill_logits_match_hf(hf_checkpoint):
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_greedy_generation_and_logprobs_match_hf(hf_checkpoint):
+@pytest.mark.parametrize("logprobs", [1, None])  # None: the runner's greedy path (`greedy_tokens`)
+def test_greedy_generation_and_logprobs_match_hf(hf_checkpoint, logprobs):
     _, path, hf = hf_checkpoint
     prompts = [_prompt(hf.config.vocab_size, seed=s, n=n) for s, n in ((0, PROMPT_LEN), (1, 3), (2, 19))]
     llm = LLM(model=path, device="cpu", dtype="float32")
-    outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=1),
+    outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=logprobs),
                         use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         expected, hf_logprobs = hf_greedy(hf, prompt, 32)
         assert out.output_token_ids == expected
         assert out.finish_reason == "length"
+        if logprobs is None:
+            assert out.logprobs is None
+            continue
         ref = hf_logprobs.gather(1, torch.tensor(expected)[:, None])[:, 0]
         ours = torch.tensor([lp[t] for lp, t in zip(out.logprobs, out.output_token_ids)])
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)

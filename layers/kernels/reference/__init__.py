@@ -8,6 +8,7 @@ from layers.kernels.reference.conv1d import (causal_conv1d_update, causal_conv1d
 from layers.kernels.reference.linear import linear
 from layers.kernels.reference.moe import moe_experts, route_sigmoid_grouped, route_softmax_topk
 from layers.kernels.reference.norm import add_rms_norm, gated_rms_norm, rms_norm
+from layers.kernels.reference.sampling import logits_argmax
 from layers.kernels.reference.ssd import ssd_chunk_scan_varlen, ssm_state_update, ssm_state_verify
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "gated_rms_norm",
     "linear",
     "linear_conv_update",
+    "logits_argmax",
     "moe_experts",
     "paged_attention",
     "relu_square",

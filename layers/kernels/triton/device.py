@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 INTERPRETER_SMS = 132  # off CUDA (the Triton interpreter): an H100's count; any value works
+MAX_ARRIVAL_COUNTERS = 128
 
 
 @functools.lru_cache(maxsize=None)
@@ -20,6 +21,17 @@ def sm_count(device: torch.device) -> int:
 def _pdl_on(device: torch.device) -> bool:
     """NVIDIA Hopper or later (ROCm reports its own capability numbers: never)."""
     return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def arrival_counters(device: torch.device) -> torch.Tensor:
+    """The device's MAX_ARRIVAL_COUNTERS zeroed int32 counters for kernels whose last program
+    to arrive finishes the work (split-K projections, the greedy argmax): a kernel counts
+    its programs on them and leaves them zero again. Every such kernel waits for the kernel
+    before it (`wait_for_previous_kernel`), and the engine runs its forward passes, graphed
+    or not, on one stream, so two kernels never use them at once. Made at the first call,
+    which is eager (graphs are captured after a warm-up)."""
+    return torch.zeros(MAX_ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
 
 
 def pdl(tensor: torch.Tensor) -> dict[str, bool]:

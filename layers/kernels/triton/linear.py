@@ -25,11 +25,11 @@ import triton
 import triton.language as tl
 
 from layers.kernels.triton.conv1d import check_activation, conv_update_channels, conv_update_into
-from layers.kernels.triton.device import pdl, wait_for_previous_kernel
+from layers.kernels.triton.device import MAX_ARRIVAL_COUNTERS, arrival_counters, pdl, wait_for_previous_kernel
 
 ROW_TILE = 16  # the tensor-core tile the rows are padded to
 MAX_ROWS = 2 * ROW_TILE  # past a decode step's 32 rows cuBLAS's tiled GEMMs take over
-MAX_SPLIT_PROGRAMS = 128  # K is split only while the grid stays within this many programs ...
+MAX_SPLIT_PROGRAMS = MAX_ARRIVAL_COUNTERS  # K is split only while the grid stays within this many programs ...
 MIN_SLICE = 256  # ... and each slice keeps at least this many K columns
 _DTYPES = (torch.bfloat16, torch.float16)
 # The conv epilogue runs for one row tile: with two, the kernel reached 255 registers and a
@@ -142,17 +142,6 @@ def _skinny_linear_kernel(
 
 
 @functools.lru_cache(maxsize=None)
-def _arrival_counters(device: torch.device) -> torch.Tensor:
-    """Zeroed counters, one per column tile of a split call (a split grid has at most
-    MAX_SPLIT_PROGRAMS programs, so at most that many tiles); each split call leaves them
-    zero again. They are the device's, not a stream's: split calls must not overlap, which
-    holds on one stream (a kernel of ours waits for the one before it) -- the engine runs
-    its forward passes, graphed or not, on one stream. Made at the first call, which is
-    eager (graphs are captured after a warm-up)."""
-    return torch.zeros(MAX_SPLIT_PROGRAMS, dtype=torch.int32, device=device)
-
-
-@functools.lru_cache(maxsize=None)
 def tiling(n: int, k: int) -> Tiling:
     """The tiling of an [n, k] weight, from its shape alone (so a row's result does not
     depend on how many rows come with it): 32-column tiles up to 1,024 columns, else 64; K
@@ -252,7 +241,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                      conv.states, conv.src_slots, conv.dst_slots, conv.weight.stride(0), *conv.states.stride())
         conv_k, conv_bias = conv.weight.shape[1], conv.bias is not None
     _skinny_linear_kernel[(triton.cdiv(n, tiles.block_n), tiles.split)](
-        flat, weight, bias if bias is not None else weight, out, partials, _arrival_counters(x.device), rows, n, k,
+        flat, weight, bias if bias is not None else weight, out, partials, arrival_counters(x.device), rows, n, k,
         flat.stride(0), weight.stride(0), out.stride(0), *conv_args,
         HAS_BIAS=bias is not None, ROW_TILES=row_tiles, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         SPLIT_K=tiles.split, CONV=conv is not None, CONV_K=conv_k, CONV_BIAS=conv_bias,
