@@ -4,7 +4,8 @@ One graph per (padded batch size, sampler variant, row width) captures a whole d
 step (width 1: plain decode; with speculative decoding also the widest verify rows, input
 token + K drafts, every position sampled and verified on the device):
 decode inputs gathered from the previous step's samples on the device -> forward through
-every layer kind (Mamba-2, attention, MLP, MoE) -> logits -> sampling -> samples written
+every layer kind (Mamba-2, attention, MLP, MoE) -> logits -> sampling (greedy graphs: the
+argmax straight from the LM head's output) -> samples written
 to the runner's fixed sample buffer. Every input lives at a fixed address (the step
 buffer's device views), so a replay only needs the step's one host-to-device copy.
 
@@ -20,7 +21,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# Op families a decode step calls; graphs need every one to be sync-free (the fast ops).
+# Ops a decode step calls: graphs are captured only when every one runs its fast kernel
+# (sync-free; most of their reference ops are not).
 DECODE_OPS = ("add_rms_norm", "gated_rms_norm", "linear_conv_update", "causal_conv1d_update", "ssm_state_update",
               "causal_conv1d_verify", "ssm_state_verify", "write_kv_cache", "paged_attention", "moe_experts",
               "logits_argmax")

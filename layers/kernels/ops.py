@@ -153,13 +153,13 @@ class KernelOps(Protocol):
         shared_up: [S or 2S, H]; shared_down: [H, S]; activation 'relu2' or 'swiglu'.
         Accumulates in float32, returns x's dtype."""
 
-
     def logits_argmax(self, logits: torch.Tensor, divisor: float | None = None) -> torch.Tensor:
         """Greedy sampling from the LM head's raw output: per row, the argmax of
         `(logits / divisor).float()` (divisor None: `logits.float()`), the division rounded
         to logits' dtype as torch rounds it on logits' device, then the first index among
         equal maxima, a NaN counting as the maximum (torch.argmax's rule). logits: [rows, V];
         returns int64 [rows]. The fast op does the division, cast and argmax in one kernel."""
+
 
 # Every op of the protocol, in definition order.
 OP_NAMES: tuple[str, ...] = tuple(

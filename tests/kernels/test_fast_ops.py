@@ -137,20 +137,21 @@ def test_relu_square(dtype: torch.dtype, shape: tuple[int, int]) -> None:
 # Divisors whose quotient torch rounds alike on the CPU (true division) and on the GPU
 # (times the float32 reciprocal, which the kernel copies): powers of two under the
 # interpreter; on the GPU also Granite's 6 and an inexact one.
-DIVISORS = [None, 0.5, 4] if INTERPRET else [None, 0.5, 6, 0.37]
+DIVISORS = [None, 0.5, 4, -2] if INTERPRET else [None, 0.5, 6, 0.37, -3]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("divisor", DIVISORS)
-@pytest.mark.parametrize("rows, vocab", [(1, 1000), (5, 3001), (33, 2500), (70, 1500), (3, 131072)])
+@pytest.mark.parametrize("rows, vocab", [(1, 1000), (5, 3001), (33, 2500), (70, 1500), (3, 131072), (4097, 40)])
 def test_logits_argmax(dtype: torch.dtype, divisor: float | None, rows: int, vocab: int) -> None:
     """Bit-exact torch.argmax of the scaled float logits: many ties (values rounded to
     integers), a row with NaNs (the first one wins), a row of -inf (index 0), a row of equal
-    values, a row whose maximum sits in its last chunk; a row-strided view; several chunks
-    per row and, at 70 rows, several row tiles in the last program's reduction."""
+    values, a row whose maximum (minimum, for a negative divisor) sits in its last entry; a
+    row-strided view; a ragged last chunk, several chunks per row, several row tiles (each
+    reduced by its own last program) and, at 4097 rows, past MAX_ROWS (the reference)."""
     wide = (randn(rows, vocab + 7, scale=4.0).round()).to(dtype)
     logits = wide[:, :vocab]
-    logits[0, vocab - 1] = 1e4
+    logits[0, vocab - 1] = 1e4 if divisor is None or divisor > 0 else -1e4
     if rows > 2:
         logits[1, [vocab // 2, 17, vocab - 3]] = float("nan")
         logits[2] = float("-inf")

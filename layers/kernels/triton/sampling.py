@@ -3,10 +3,10 @@ each row's argmax in one pass (torch runs the division, the cast and its argmax 
 kernels, the argmax alone 22 us for 32 rows of a 100k vocabulary on the H100).
 
 Each program reduces one chunk of one row's vocabulary and stores the chunk's maximum and
-its index; the last program to arrive (an arrival counter, reset by that program) picks
-each row's first chunk holding the maximum. Maxima are compared as values, so the result
-is exact and deterministic: the first index among equal maxima, a NaN the maximum, as
-torch.argmax decides.
+its index; for each tile of ROW_TILE rows, the last program to arrive (an arrival counter
+per tile, reset by that program) picks each of its rows' first chunk holding the maximum.
+Maxima are compared as values, so the result is exact and deterministic: the first index
+among equal maxima, a NaN the maximum, as torch.argmax decides.
 """
 import numpy as np
 import torch
@@ -14,11 +14,12 @@ import triton
 import triton.language as tl
 
 from layers.kernels.reference.sampling import logits_argmax as reference_logits_argmax
-from layers.kernels.triton.device import arrival_counters, pdl, wait_for_previous_kernel
+from layers.kernels.triton.device import MAX_ARRIVAL_COUNTERS, arrival_counters, pdl, wait_for_previous_kernel
 
-MAX_CHUNKS = 64  # per row: the last program reduces [ROW_TILE, MAX_CHUNKS] maxima at a time
+MAX_CHUNKS = 64  # per row: a tile's last program reduces [ROW_TILE, MAX_CHUNKS] maxima
 MIN_BLOCK = 1024  # vocabulary entries per chunk, at least
 ROW_TILE = 32
+MAX_ROWS = ROW_TILE * MAX_ARRIVAL_COUNTERS  # one counter per row tile; more rows run the reference
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -31,10 +32,10 @@ def _logits_argmax_kernel(
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab, other=float("-inf"))
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab, other=0.0)
     if HAS_DIVISOR:  # torch's division by a host scalar on the GPU: times its float32 reciprocal, rounded
         x = (x.to(tl.float32) * inv_divisor).to(logits_ptr.dtype.element_ty)
-    x = x.to(tl.float32)
+    x = tl.where(cols < vocab, x.to(tl.float32), float("-inf"))  # (after the scaling, whatever its sign)
     is_nan = x != x
     first_nan = tl.min(tl.where(is_nan, cols, vocab), axis=0)
     clean = tl.where(is_nan, float("-inf"), x)
@@ -45,30 +46,31 @@ def _logits_argmax_kernel(
     tl.store(partial_ptr + slot, value.to(tl.int32, bitcast=True))
     tl.store(partial_ptr + rows * num_chunks + slot, index)
     tl.debug_barrier()  # every thread's stores are done before the arrival releases them
-    if tl.atomic_add(arrivals_ptr, 1, sem="acq_rel") == rows * num_chunks - 1:
+    tile = row // ROW_TILE
+    tile_rows = tile * ROW_TILE + tl.arange(0, ROW_TILE)
+    arrivals = tl.minimum(rows - tile * ROW_TILE, ROW_TILE) * num_chunks
+    if tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel") == arrivals - 1:
         chunks = tl.arange(0, CHUNKS)
-        for row0 in range(0, rows, ROW_TILE):
-            tile_rows = row0 + tl.arange(0, ROW_TILE)
-            offsets = tile_rows[:, None] * num_chunks + chunks[None, :]
-            mask = (tile_rows[:, None] < rows) & (chunks[None, :] < num_chunks)
-            maxima = tl.load(partial_ptr + offsets, mask=mask, other=0, cache_modifier=".cg").to(tl.float32,
-                                                                                              bitcast=True)
-            maxima = tl.where(mask, maxima, float("-inf"))
-            nan = maxima != maxima
-            nan_chunk = tl.min(tl.where(nan, chunks[None, :], CHUNKS), axis=1)  # holds the row's first NaN
-            best = tl.argmax(tl.where(nan, float("-inf"), maxima), axis=1, tie_break_left=True)
-            pick = tl.where(nan_chunk < CHUNKS, nan_chunk, best)
-            indices = tl.load(partial_ptr + rows * num_chunks + offsets, mask=mask, other=0, cache_modifier=".cg")
-            token = tl.sum(tl.where(chunks[None, :] == pick[:, None], indices, 0), axis=1)
-            tl.store(tokens_ptr + tile_rows, token.to(tl.int64), mask=tile_rows < rows)
-        tl.atomic_xchg(arrivals_ptr, 0)  # ready for the next call
+        offsets = tile_rows[:, None] * num_chunks + chunks[None, :]
+        mask = (tile_rows[:, None] < rows) & (chunks[None, :] < num_chunks)
+        maxima = tl.load(partial_ptr + offsets, mask=mask, other=0, cache_modifier=".cg").to(tl.float32, bitcast=True)
+        maxima = tl.where(mask, maxima, float("-inf"))
+        nan = maxima != maxima
+        nan_chunk = tl.min(tl.where(nan, chunks[None, :], CHUNKS), axis=1)  # holds the row's first NaN
+        best = tl.argmax(tl.where(nan, float("-inf"), maxima), axis=1, tie_break_left=True)
+        pick = tl.where(nan_chunk < CHUNKS, nan_chunk, best)
+        indices = tl.load(partial_ptr + rows * num_chunks + offsets, mask=mask, other=0, cache_modifier=".cg")
+        token = tl.sum(tl.where(chunks[None, :] == pick[:, None], indices, 0), axis=1)
+        tl.store(tokens_ptr + tile_rows, token.to(tl.int64), mask=tile_rows < rows)
+        tl.atomic_xchg(arrivals_ptr + tile, 0)  # ready for the next call
 
 
 def logits_argmax(logits: torch.Tensor, divisor: float | None = None) -> torch.Tensor:
     """Per row, the argmax of `(logits / divisor).float()` (see `KernelOps.logits_argmax`) in
-    one kernel for [rows, V] logits of a float dtype with unit column stride; anything else
-    runs the reference."""
-    if logits.dim() != 2 or logits.dtype not in _DTYPES or logits.stride(-1) != 1 or 0 in logits.shape:
+    one kernel for [rows, V] logits of a float dtype with unit column stride and up to
+    MAX_ROWS rows; anything else runs the reference."""
+    if (logits.dim() != 2 or logits.dtype not in _DTYPES or logits.stride(-1) != 1 or 0 in logits.shape
+            or logits.shape[0] > MAX_ROWS):
         return reference_logits_argmax(logits, divisor)
     rows, vocab = logits.shape
     block = max(MIN_BLOCK, triton.next_power_of_2(triton.cdiv(vocab, MAX_CHUNKS)))
