@@ -5,8 +5,8 @@ step (width 1: plain decode; with speculative decoding also the widest verify ro
 token + K drafts, every position sampled and verified on the device):
 decode inputs gathered from the previous step's samples on the device -> forward through
 every layer kind (Mamba-2, attention, MLP, MoE) -> logits -> sampling (greedy graphs: the
-argmax straight from the LM head's output) -> samples written
-to the runner's fixed sample buffer. Every input lives at a fixed address (the step
+argmax straight from the LM head's output) -> samples written to the runner's fixed
+sample buffer. Every input lives at a fixed address (the step
 buffer's device views), so a replay only needs the step's one host-to-device copy.
 
 A decode batch is padded up to the next captured size; padding rows use Mamba slot -1,

@@ -20,7 +20,7 @@ def check_activation(activation: str | None) -> bool:
     raise ValueError(f"unsupported conv activation: {activation!r}")
 
 
-def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     """The kernels index the channel / tap dim with unit stride; copy only when it is not."""
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -146,7 +146,7 @@ def causal_conv1d_varlen(
     y = torch.empty((num_tokens, dim), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return y
-    x, weight = _unit_last_stride(x), _unit_last_stride(weight)
+    x, weight = unit_last_stride(x), unit_last_stride(weight)
     bt, bd = 32, 128
     grid = (triton.cdiv(num_tokens, bt), triton.cdiv(dim, bd))
     _conv_varlen_kernel[grid](
@@ -220,7 +220,7 @@ def conv_update_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     batch, dim = x.shape
     if batch == 0:
         return
-    x, weight = _unit_last_stride(x), _unit_last_stride(weight)
+    x, weight = unit_last_stride(x), unit_last_stride(weight)
     bd = 256
     _conv_update_kernel[(batch, triton.cdiv(dim, bd))](
         x, weight, bias if bias is not None else weight, conv_states, out, src_slots, dst_slots, dim,
@@ -270,7 +270,8 @@ def _conv_verify_kernel(
     slot = tl.load(src_ptr + row)
     for j in range(width):
         dst = tl.load(dst_ptr + j * stride_dst_w + row)
-        if (slot >= 0) & (dst >= 0):  # a padding position ends the row (every later one is padding)
+        live = (slot >= 0) & (dst >= 0)  # a padding row or position ends the row
+        if live:
             x = tl.load(x_ptr + row * stride_xb + j * stride_xw + d, mask=d_in, other=0.0)
             y = conv_update_channels(x, w_ptr + d * stride_wd, bias_ptr + d,
                                      states_ptr + slot.to(tl.int64) * stride_slot + channel,
@@ -279,7 +280,7 @@ def _conv_verify_kernel(
         else:
             y = tl.zeros((BD,), dtype=tl.float32)
         tl.store(y_ptr + row * stride_yb + j * stride_yw + d, y.to(y_ptr.dtype.element_ty), mask=d_in)
-        slot = tl.where((slot >= 0) & (dst >= 0), dst, -1)  # a padding row or position ends the row
+        slot = tl.where(live, dst, -1)
 
 
 def causal_conv1d_verify(
@@ -300,7 +301,7 @@ def causal_conv1d_verify(
     y = torch.empty((batch, width, dim), dtype=x.dtype, device=x.device)
     if batch == 0:
         return y
-    x, weight = _unit_last_stride(x), _unit_last_stride(weight)
+    x, weight = unit_last_stride(x), unit_last_stride(weight)
     bd = 256
     _conv_verify_kernel[(batch, triton.cdiv(dim, bd))](
         x, weight, bias if bias is not None else weight, conv_states, y, src_slots, dst_slots, dim, width,

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from layers.kernels.triton.conv1d import check_activation, conv_update_channels, conv_update_into
+from layers.kernels.triton.conv1d import check_activation, conv_update_channels, conv_update_into, unit_last_stride
 from layers.kernels.triton.device import MAX_ARRIVAL_COUNTERS, arrival_counters, pdl, wait_for_previous_kernel
 
 ROW_TILE = 16  # the tensor-core tile the rows are padded to
@@ -213,8 +213,7 @@ def linear_conv_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         columns = y[:, conv_start:conv_start + conv_weight.shape[0]]
         conv_update_into(columns, conv_weight, conv_bias, conv_states, src_slots, dst_slots, silu, columns)
         return y
-    conv = ConvUpdate(conv_start, conv_weight if conv_weight.stride(-1) == 1 else conv_weight.contiguous(), conv_bias,
-                      conv_states, src_slots, dst_slots, silu)
+    conv = ConvUpdate(conv_start, unit_last_stride(conv_weight), conv_bias, conv_states, src_slots, dst_slots, silu)
     return skinny_linear(x, weight, bias, tiling(*weight.shape), conv)
 
 
