@@ -9,7 +9,8 @@ from layers.rotary import RotaryEmbedding
 
 
 class PagedAttention(nn.Module):
-    """q/k/v/o projections around paged causal attention, run with the op set `ops`.
+    """q/k/v/o projections around paged causal attention, run with the op set `ops`; q, k
+    and v run as one stacked projection.
 
     The runner binds `kv_cache = (k_cache, v_cache)` once; the tensors keep their address
     for the engine's lifetime (CUDA graphs replay against them).
@@ -48,12 +49,31 @@ class PagedAttention(nn.Module):
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=bias, ops=ops, tp=tp)
         self.rotary = rotary
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._stack_qkv()
+
+    def _stack_qkv(self) -> None:
+        """q, k and v read the same input, so they run as one projection over their stacked
+        weights (one kernel, not three). The three parameters stay, since the checkpoint
+        names them, as views into the stacked tensors: loading or initializing them fills
+        those. The stacks are non-persistent buffers (no checkpoint entry of their own)."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_sizes = [p.out_features for p in projections]
+        for name in ("weight", "bias"):
+            params = [getattr(p, name) for p in projections]
+            if params[0] is None:
+                self.register_buffer(f"qkv_{name}", None, persistent=False)
+                continue
+            stacked = torch.cat([param.detach() for param in params])
+            self.register_buffer(f"qkv_{name}", stacked, persistent=False)
+            for param, view in zip(params, stacked.split(self.qkv_sizes)):
+                param.data = view
 
     def forward(self, x: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.ops.linear(x, self.qkv_weight, self.qkv_bias).split(self.qkv_sizes, dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.rotary is not None:
             q, k = self.rotary(meta.positions, q, k)
         k_cache, v_cache = self.kv_cache

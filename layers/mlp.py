@@ -52,7 +52,7 @@ class Relu2MLP(_ParallelMLP):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, ops=ops, tp=tp)
 
     def _hidden(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.relu_square(self.up_proj(x))
+        return self.ops.linear_relu_square(x, self.up_proj.weight, self.up_proj.bias)
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This rank's (up, down) weights for running this MLP as the shared expert inside

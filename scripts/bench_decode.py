@@ -156,6 +156,7 @@ def time_modes(args: argparse.Namespace, model: str, bandwidth: float) -> list[d
     distinct: dict[int, list[int]] = {}  # per batch: routing does not depend on the mode
     for mode in args.modes:
         llm = LLM(model=model, load_format="dummy", dtype="bfloat16", max_num_seqs=max(args.batches),
+                  max_num_batched_tokens=args.max_num_batched_tokens,
                   max_model_len=args.prompt_len + args.output_len + 64, **MODES[mode])
         for batch in args.batches:
             run_batch(llm, batch, args.prompt_len, 4)  # warm-up: Triton compiles / autotunes per shape
@@ -219,6 +220,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES),
                     help="timed modes (none: no timed runs, e.g. with --count-kernels)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="tokens per step (prompt steps' budget); default: the engine's (8192 on CUDA)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per row; the median run is reported")
     ap.add_argument("--hf-batch", type=int, default=0,
                     help="also time HF transformers generate at this batch (0: skip)")

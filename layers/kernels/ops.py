@@ -61,10 +61,12 @@ class KernelOps(Protocol):
         there). x: [B, K], one decode token per row. Returns y [B, N] in x's dtype; the other
         columns are exactly `linear`'s."""
 
-    def relu_square(self, x: torch.Tensor) -> torch.Tensor:
-        """relu(x)^2 elementwise (NemotronH's MLP activation), squared in float32 and rounded
-        once to x's dtype, as torch.square(F.relu(x)) rounds. Written over x -- the caller's
-        temporary, e.g. the up projection's output -- which is returned."""
+    def linear_relu_square(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """relu(linear(x, weight, bias))^2: NemotronH's MLP up projection and activation as
+        one op. The projection rounds as `linear` does; the square is taken in float32 from
+        it and rounded once to x's dtype, as torch.square(F.relu(y)) rounds. The fast op
+        squares in the few-row kernel's store (one kernel at decode), else it runs one
+        in-place relu^2 pass after the projection."""
 
     def causal_conv1d_varlen(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              conv_states: torch.Tensor, cu_seqlens: torch.Tensor, src_slots: torch.Tensor,

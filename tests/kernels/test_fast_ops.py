@@ -124,7 +124,7 @@ def test_relu_square(dtype: torch.dtype, shape: tuple[int, int]) -> None:
     x[0, 0] = float("nan")  # relu keeps a NaN (a clamp to 0 would hide it)
     expected = torch.square(F.relu(x))
     out = activation.relu_square(x)
-    assert out.data_ptr() == x.data_ptr()  # in place, as the op promises
+    assert out.data_ptr() == x.data_ptr()  # in place
     assert torch.equal(out.isnan(), expected.isnan()) and out.isnan().sum() == 1
     assert torch.equal(out.nan_to_num(), expected.nan_to_num())  # squared in float32, rounded once: bit-exact
     assert (x < 0).sum() == 0 and (expected == 0).any()
@@ -246,6 +246,28 @@ def test_linear_leaves_other_inputs_to_torch() -> None:
     assert not linear.takes_kernel(wrong_width, low_w, None)
     with pytest.raises(RuntimeError):
         linear.linear(wrong_width, low_w)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33])  # 33: past MAX_ROWS, F.linear then the relu^2 kernel
+@pytest.mark.parametrize("shape", [(4096, 1024), (700, 256), (1536, 3072)])  # (N, K): unsplit, ragged tile, split
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_relu_square(rows: int, shape: tuple[int, int], with_bias: bool) -> None:
+    """The up projection with relu^2 in the kernel's store: bit for bit the projection and
+    then the separate relu^2 kernel, and close to the reference; negative pre-activations
+    come out as exact zeros."""
+    n, k = shape
+    x = randn(rows, k, dtype=LOW)
+    weight = randn(n, k, dtype=LOW, scale=k ** -0.5)
+    bias = randn(n, dtype=LOW) if with_bias else None
+    out = linear.linear_relu_square(x, weight, bias)
+    separate = activation.relu_square(linear.linear(x, weight, bias))
+    assert out.dtype == LOW and out.shape == (rows, n)
+    assert torch.equal(out, separate)
+    expected = ref.linear_relu_square(x.float(), weight.float(), None if bias is None else bias.float())
+    assert_close(out.float(), expected, TOL[LOW])
+    assert (out[linear.linear(x, weight, bias) < 0] == 0).all()
+    float_x, float_w = x.float(), weight.float()
+    assert torch.equal(linear.linear_relu_square(float_x, float_w), ref.linear_relu_square(float_x, float_w))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -493,6 +515,10 @@ def test_paged_attention(dtype: torch.dtype, case: str, block_size: int, heads: 
     scale = head_dim ** -0.5
     expected = ref.paged_attention(q, k_cache, v_cache, tables, lens, cu, scale)
     for max_q in (max(q_lens[num_decode:], default=1), None):
+        # A freed NaN buffer of the output's size: an output row left unwritten (a decode-only
+        # step's output is not zero-filled first) likely shows up as NaN.
+        poison = torch.full_like(q, float("nan"))
+        del poison
         out = attention.paged_attention(q, k_cache, v_cache, tables, lens, cu, scale, max_seqlen_q=max_q,
                                         num_decode=num_decode)
         assert_close(out, expected, TOL[dtype])
@@ -558,6 +584,7 @@ def test_decode_ops_capture_in_cuda_graph() -> None:
 
     def step():
         return (linear.linear_conv_update(proj_x, proj_w, None, 30, proj_conv_w, None, proj_states, src, dst),
+                linear.linear_relu_square(proj_x, proj_w),
                 conv1d.causal_conv1d_update(conv_x, conv_w, None, conv_states, src, dst),
                 ssm_update.ssm_state_update(ssm_states, x, dt, a, b, c, d_skip, src, dst),
                 attention.paged_attention(q, k_cache, v_cache, tables, lens, cu, 0.1, max_seqlen_q=1, num_decode=batch),
@@ -581,6 +608,7 @@ def test_decode_ops_capture_in_cuda_graph() -> None:
     ids.copy_(torch.stack([torch.randperm(8, device=DEVICE)[:2] for _ in range(batch)]))
     proj_expected, conv_expected, ssm_expected = proj_states.clone(), conv_states.clone(), ssm_states.clone()
     expected = (ref.linear_conv_update(proj_x, proj_w, None, 30, proj_conv_w, None, proj_expected, src, dst),
+                ref.linear_relu_square(proj_x, proj_w),
                 ref.causal_conv1d_update(conv_x, conv_w, None, conv_expected, src, dst),
                 ref.ssm_state_update(ssm_expected, x, dt, a, b, c, d_skip, src, dst),
                 ref.paged_attention(q, k_cache, v_cache, tables, lens, cu, 0.1),
@@ -590,13 +618,13 @@ def test_decode_ops_capture_in_cuda_graph() -> None:
                 ref.logits_argmax(lm_out, 6))
     graph.replay()
     torch.cuda.synchronize()
-    for got, want in zip(outs[:5], expected[:5]):
+    for got, want in zip(outs[:6], expected[:6]):
         assert_close(got.float(), want.float(), 1e-2)
-    assert_close(outs[5].sort(1)[0], expected[5].sort(1)[0], 1e-5)
-    assert torch.equal(outs[6].sort(1)[0], expected[6].sort(1)[0])
-    assert torch.equal(outs[8], expected[8])
-    assert (outs[7] - expected[7]).abs().max().item() < 1e-6
+    assert_close(outs[6].sort(1)[0], expected[6].sort(1)[0], 1e-5)
+    assert torch.equal(outs[7].sort(1)[0], expected[7].sort(1)[0])
     assert torch.equal(outs[9], expected[9])
+    assert (outs[8] - expected[8]).abs().max().item() < 1e-6
+    assert torch.equal(outs[10], expected[10])
     check_pool(proj_states, proj_expected, dst[valid], 1e-2)
     check_pool(conv_states, conv_expected, dst[valid], 1e-2)
     check_pool(ssm_states, ssm_expected, dst[valid], 1e-5)

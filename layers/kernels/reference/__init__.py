@@ -1,11 +1,10 @@
 """Plain-torch reference ops (CPU and GPU): the oracle every fast kernel is tested against.
 
 This module implements every op of `layers.kernels.ops.KernelOps` with its exact signature."""
-from layers.kernels.reference.activation import relu_square
 from layers.kernels.reference.attention import paged_attention, write_kv_cache
 from layers.kernels.reference.conv1d import (causal_conv1d_update, causal_conv1d_varlen, causal_conv1d_verify,
                                              linear_conv_update)
-from layers.kernels.reference.linear import linear
+from layers.kernels.reference.linear import linear, linear_relu_square
 from layers.kernels.reference.moe import moe_experts, route_sigmoid_grouped, route_softmax_topk
 from layers.kernels.reference.norm import add_rms_norm, gated_rms_norm, rms_norm
 from layers.kernels.reference.sampling import logits_argmax
@@ -19,10 +18,10 @@ __all__ = [
     "gated_rms_norm",
     "linear",
     "linear_conv_update",
+    "linear_relu_square",
     "logits_argmax",
     "moe_experts",
     "paged_attention",
-    "relu_square",
     "rms_norm",
     "route_sigmoid_grouped",
     "route_softmax_topk",

@@ -20,7 +20,8 @@ def _relu_square_kernel(x_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
 
 
 def relu_square(x: torch.Tensor) -> torch.Tensor:
-    """relu(x)^2 written over x (see `KernelOps.relu_square`). x must be contiguous."""
+    """relu(x)^2 written over x (as `reference.activation.relu_square`), for a prompt step's
+    up projection in `linear_relu_square`. x must be contiguous."""
     if not x.is_contiguous():
         raise ValueError(f"relu_square needs a contiguous tensor, got strides {x.stride()} for shape "
                          f"{tuple(x.shape)}")

@@ -248,7 +248,10 @@ def paged_attention(
     block_size = k_cache.shape[1]
     num_seqs = seq_lens.shape[0]
     q = q if q.stride(-1) == 1 else q.contiguous()
-    out = torch.zeros_like(q)
+    # The merge writes every decode row (zeros for a padding sequence), so a decode-only
+    # step, whose query i is row i, needs no zero fill (one kernel fewer per layer).
+    decode_only = num_decode == num_seqs == num_tokens
+    out = torch.empty_like(q) if decode_only else torch.zeros_like(q)
     bd = triton.next_power_of_2(head_dim)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 stays exact; ignored for bf16/fp16
     scale_log2 = scale * _LOG2E

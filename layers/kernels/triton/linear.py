@@ -24,6 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from layers.kernels.triton.activation import relu_square
 from layers.kernels.triton.conv1d import check_activation, conv_update_channels, conv_update_into, unit_last_stride
 from layers.kernels.triton.device import MAX_ARRIVAL_COUNTERS, arrival_counters, pdl, wait_for_previous_kernel
 
@@ -58,10 +59,15 @@ def _row_tile_product(acc, x_ptr, w, rows, k, M, K, stride_xm):
 def _store_rows(acc, b_ptr, y_ptr, rows, cols, M, N, stride_ym, HAS_BIAS: tl.constexpr,
                 conv_start, conv_dim, conv_w_ptr, conv_b_ptr, states_ptr, src_ptr, dst_ptr,
                 stride_cw, stride_slot, stride_sd, stride_sk,
-                CONV: tl.constexpr, CONV_K: tl.constexpr, CONV_BIAS: tl.constexpr, SILU: tl.constexpr):
+                CONV: tl.constexpr, CONV_K: tl.constexpr, CONV_BIAS: tl.constexpr, SILU: tl.constexpr,
+                RELU_SQUARE: tl.constexpr):
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     y = acc.to(y_ptr.dtype.element_ty)
+    if RELU_SQUARE:  # from the rounded projection, as the separate relu_square kernel reads it
+        h = y.to(tl.float32)
+        h = tl.where(h < 0, 0.0, h)  # (not maximum: a NaN stays NaN, as in torch.relu)
+        y = (h * h).to(y_ptr.dtype.element_ty)
     if CONV:
         # The conv channels (columns conv_start ..) through the single-token conv update, from
         # the projection as stored, as the separate conv op reads it; padding rows (src slot
@@ -100,7 +106,7 @@ def _skinny_linear_kernel(
     stride_cw, stride_slot, stride_sd, stride_sk,
     HAS_BIAS: tl.constexpr, ROW_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, CONV: tl.constexpr, CONV_K: tl.constexpr, CONV_BIAS: tl.constexpr, SILU: tl.constexpr,
-    PDL: tl.constexpr,
+    RELU_SQUARE: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     col_tile = tl.program_id(0)
@@ -136,7 +142,7 @@ def _skinny_linear_kernel(
         for tile in tl.static_range(ROW_TILES):
             _store_rows(acc0 if tile == 0 else acc1, b_ptr, y_ptr, rows + 16 * tile, cols, M, N, stride_ym, HAS_BIAS,
                         conv_start, conv_dim, conv_w_ptr, conv_b_ptr, states_ptr, src_ptr, dst_ptr, stride_cw,
-                        stride_slot, stride_sd, stride_sk, CONV, CONV_K, CONV_BIAS, SILU)
+                        stride_slot, stride_sd, stride_sk, CONV, CONV_K, CONV_BIAS, SILU, RELU_SQUARE)
         if SPLIT_K > 1:
             tl.atomic_xchg(arrivals_ptr + col_tile, 0)  # ready for the next call
 
@@ -183,6 +189,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return skinny_linear(x, weight, bias, tiling(*weight.shape))
 
 
+def linear_relu_square(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """relu(x @ weight^T (+ bias))^2 (see `KernelOps.linear_relu_square`): the skinny kernel
+    squares in its store where `takes_kernel`, else `F.linear` and then the relu^2 kernel;
+    both round alike, bit for bit."""
+    if not takes_kernel(x, weight, bias):
+        return relu_square(F.linear(x, weight, bias))
+    return skinny_linear(x, weight, bias, tiling(*weight.shape), relu_squared=True)
+
+
 @dataclass(frozen=True)
 class ConvUpdate:
     """The conv update `skinny_linear` applies to output columns [start, start + D) of each
@@ -218,9 +233,10 @@ def linear_conv_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: Tiling,
-                  conv: ConvUpdate | None = None) -> torch.Tensor:
+                  conv: ConvUpdate | None = None, relu_squared: bool = False) -> torch.Tensor:
     """The skinny kernel with the given tiles, for inputs `takes_kernel` accepts (benchmarks
-    and tests sweep tilings through it), with `conv`'s update of the conv columns if given."""
+    and tests sweep tilings through it), with `conv`'s update of the conv columns if given,
+    and relu^2 of every output if `relu_squared`."""
     n, k = weight.shape
     if x.numel() == 0 or (tiles.split > 1 and triton.cdiv(n, tiles.block_n) * tiles.split > MAX_SPLIT_PROGRAMS):
         raise ValueError(f"skinny_linear: no rows, or a split grid over {MAX_SPLIT_PROGRAMS} programs ({tiles})")
@@ -244,9 +260,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         flat.stride(0), weight.stride(0), out.stride(0), *conv_args,
         HAS_BIAS=bias is not None, ROW_TILES=row_tiles, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         SPLIT_K=tiles.split, CONV=conv is not None, CONV_K=conv_k, CONV_BIAS=conv_bias,
-        SILU=conv is not None and conv.silu, num_warps=4, num_stages=4,
-        # No FMA contraction (only the conv epilogue has products to contract): it rounds
-        # as the conv kernels do, bit for bit.
+        SILU=conv is not None and conv.silu, RELU_SQUARE=relu_squared, num_warps=4, num_stages=4,
+        # No FMA contraction (only the epilogues have products to contract): they round as
+        # the conv and relu^2 kernels do, bit for bit.
         enable_fp_fusion=False, **pdl(flat),
     )
     return out.view(*x.shape[:-1], n)
