@@ -85,6 +85,12 @@ def load_engine_model(cfg: EngineConfig, kernels: Any, tp: ParallelContext = SIN
     directory) with the kernels `kernels` (`layers.kernels.select_ops`); under tensor
     parallelism, this rank's shard of it (`tp`)."""
     hf_config, path, tokenizer, name, weight_seed = _resolve_model(cfg)
+    if torch.device(cfg.device).type == "cuda":
+        # Cached blocks of dropped tensors (an earlier engine's KV cache, say) go back to the
+        # driver first: a weight placed inside such a block would keep all of it reserved,
+        # and the pools sized after loading would lose that memory (1.2 GiB measured).
+        gc.collect()
+        torch.cuda.empty_cache()
     model = load_model(hf_config, path, torch.device(cfg.device), cfg.torch_dtype, cfg.load_format, weight_seed,
                        ops=kernels, tp=tp)
     return LoadedModel(model, hf_config, tokenizer, name)
