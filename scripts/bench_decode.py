@@ -6,6 +6,7 @@ serial eager); `--count-kernels` also counts the CUDA kernels of one eager decod
     python scripts/bench_decode.py --model preset:nemotron-h-8b --batches 1 8 --hf-batch 8 --json out.json
     python scripts/bench_decode.py --model preset:granite-4.0-h-tiny --batches 1 32 128 --modes async+graphs
     python scripts/bench_decode.py --model preset:granite-4.0-h-tiny --batches 1 32 --count-kernels --modes
+    python scripts/bench_decode.py --batches 32 128 --modes async+graphs --mamba-ssm-cache-dtype bfloat16
 
 `--model peer` is a NemotronH config with the shapes of the Megatron-Core peer harness
 (../shared/peers/megatron): hidden 1024, pattern M*-M-M*-M-M*-M-M*-M-, relu2 MLP 4096,
@@ -24,6 +25,9 @@ and the KV read (mean context x KV bytes per token of the attention layers), plu
   prompts, graph padding rows excluded) with each MoE layer's router output recorded,
   counting distinct experts per layer. The analytic count for uniform routing,
   E * (1 - (1 - k/E)^B), is printed beside the measured one.
+`--mamba-ssm-cache-dtype` sets the SSM state pool's dtype (default "auto": float32 for the
+peer). Megatron-Core keeps its SSM states in the model dtype, bfloat16 in the peer harness:
+`bfloat16` here is the like-for-like setting against it.
 `--count-kernels`: one eager decode step per batch (a separate serial, graphs-off LLM of the
 same model) under torch.profiler; CUDA kernels per step, per layer and per layer part
 (mamba / attention / mlp / moe mixers, the norms and residual adds between them, the work
@@ -156,7 +160,7 @@ def time_modes(args: argparse.Namespace, model: str, bandwidth: float) -> list[d
     distinct: dict[int, list[int]] = {}  # per batch: routing does not depend on the mode
     for mode in args.modes:
         llm = LLM(model=model, load_format="dummy", dtype="bfloat16", max_num_seqs=max(args.batches),
-                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_num_batched_tokens=args.max_num_batched_tokens, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
                   max_model_len=args.prompt_len + args.output_len + 64, **MODES[mode])
         for batch in args.batches:
             run_batch(llm, batch, args.prompt_len, 4)  # warm-up: Triton compiles / autotunes per shape
@@ -222,6 +226,9 @@ def main() -> None:
                     help="timed modes (none: no timed runs, e.g. with --count-kernels)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="tokens per step (prompt steps' budget); default: the engine's (8192 on CUDA)")
+    ap.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="the SSM state pool's dtype (auto: the config's, else float32); Megatron-Core's "
+                         "default is the model dtype (bfloat16 in its peer run)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per row; the median run is reported")
     ap.add_argument("--hf-batch", type=int, default=0,
                     help="also time HF transformers generate at this batch (0: skip)")
@@ -237,7 +244,8 @@ def main() -> None:
         rows.append(dict(mode="HF transformers generate", batch=args.hf_batch, **r))
         print(f"HF generate    B={args.hf_batch:4d} {r['tok_s']:9.0f} tok/s  mean step {r['itl_mean_ms']:.2f} ms", flush=True)
     if rows:
-        print(f"\nmodel {args.model}, prompt {args.prompt_len}, output {args.output_len}, bf16"
+        print(f"\nmodel {args.model}, prompt {args.prompt_len}, output {args.output_len}, bf16, "
+              f"mamba_ssm_cache_dtype {args.mamba_ssm_cache_dtype}"
               + (f", copy bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth else ""))
         print_table(rows)
     if args.count_kernels:
