@@ -2,8 +2,7 @@
 
 Semantics follow mamba-ssm and transformers: in_proj -> (z, xBC, dt); depthwise causal
 conv + SiLU over xBC; dt = softplus(dt + dt_bias); A = -exp(A_log); SSD scan with groups
-and D skip; gated group RMSNorm (norm after gating) and out_proj (one op,
-`KernelOps.gated_norm_linear`). Decode rows (one token,
+and D skip; gated group RMSNorm (norm after gating); out_proj. Decode rows (one token,
 state carried) take the recurrent update, prefill chunks the chunked scan; both read the
 state at `mamba_src` and write it at `mamba_dst`.
 
@@ -15,8 +14,6 @@ When a group spans several ranks (N > n_groups) the gated norm's statistic is su
 them (`gated_rms_norm_across_ranks`). `num_heads`, `n_groups`, `d_ssm`, `conv_dim` (and the
 state slots) are this rank's.
 """
-import functools
-
 import torch
 from torch import nn
 
@@ -138,9 +135,9 @@ class Mamba2Mixer(nn.Module):
         if self.norm_spans_ranks:
             y = gated_rms_norm_across_ranks(y, z, self.norm.weight, self.norm_eps, self.norm_group_size,
                                             self.norm_group, self.norm_groups_full, self.tp)
-            return self.out_proj(y.to(x.dtype))
-        return self.out_proj.project(functools.partial(kernels.gated_norm_linear, y, z, self.norm.weight,
-                                                       self.norm_eps, self.norm_group_size))
+        else:
+            y = kernels.gated_rms_norm(y, z, self.norm.weight, self.norm_eps, self.norm_group_size)
+        return self.out_proj(y.to(x.dtype))
 
     def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, src: torch.Tensor,
                 dst: torch.Tensor) -> torch.Tensor:

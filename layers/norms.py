@@ -1,5 +1,5 @@
 """RMSNorm module, and the Mamba gated norm of a group split over tensor-parallel ranks (the
-whole-group case is part of the op `KernelOps.gated_norm_linear`, which the mixer calls)."""
+whole-group case is the op `KernelOps.gated_rms_norm`, which the mixer calls)."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,7 +28,7 @@ class RMSNorm(nn.Module):
 
 def gated_rms_norm_across_ranks(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int,
                                 group: int, n_groups: int, tp: ParallelContext) -> torch.Tensor:
-    """The Mamba-2 gated norm (as `KernelOps.gated_norm_linear` norms) of this rank's channels x, z
+    """The Mamba-2 gated norm (`KernelOps.gated_rms_norm`) of this rank's channels x, z
     ([T, D_local], weight [D_local]) when they are part of group `group` of `group_size`
     channels spread over several ranks: the statistic's sum of squares is summed over the
     ranks (a [T, n_groups] float32 tensor in which each rank fills its group's column).

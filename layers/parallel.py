@@ -15,7 +15,7 @@ The sharded building blocks: `ColumnParallelLinear` (output rows cut),
 `RowParallelLinear` (input columns cut, outputs summed), `VocabParallelEmbedding` and
 `ParallelLMHead` (vocabulary rows cut, padded to an even share).
 """
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,15 +204,6 @@ class RowParallelLinear(nn.Linear):
         if not self.tp.is_parallel:
             return self.ops.linear(x, self.weight, self.bias)  # world size 1: bias inside the GEMM
         return self.reduce(self.partial(x))
-
-    def project(self, product: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
-        """The layer's output where `product(weight, bias)` computes input @ weight^T (+ bias)
-        for an input the caller holds (an op that forms the input and projects it in one
-        kernel, e.g. `KernelOps.gated_norm_linear`): called with the bias at world size 1,
-        else without it, the ranks' results then reduced as `forward` reduces them."""
-        if not self.tp.is_parallel:
-            return product(self.weight, self.bias)
-        return self.reduce(product(self.weight, None))
 
 
 class VocabParallelEmbedding(nn.Embedding):

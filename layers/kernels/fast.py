@@ -6,8 +6,8 @@ from typing import Callable
 # Module under layers.kernels.triton -> the ops it implements. A family whose module fails
 # to import (Triton missing) keeps the reference ops, the others stay fast.
 FAMILIES: dict[str, tuple[str, ...]] = {
-    "norm": ("rms_norm", "add_rms_norm"),
-    "linear": ("linear", "linear_conv_update", "linear_relu_square", "gated_norm_linear"),
+    "norm": ("rms_norm", "add_rms_norm", "gated_rms_norm"),
+    "linear": ("linear", "linear_conv_update", "linear_relu_square"),
     "conv1d": ("causal_conv1d_varlen", "causal_conv1d_update", "causal_conv1d_verify"),
     "ssd": ("ssd_chunk_scan_varlen",),
     "ssm_update": ("ssm_state_update", "ssm_state_verify"),

@@ -40,6 +40,11 @@ class KernelOps(Protocol):
         exactly `rms_norm`'s. x, residual: same shape and dtype. residual None: x starts the
         residual stream (new_residual is x; `residual_scale` must then be None)."""
 
+    def gated_rms_norm(self, x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                       group_size: int) -> torch.Tensor:
+        """Mamba-2 output norm rmsnorm_per_group(x * silu(z)) * weight (norm after gating).
+        x, z: [T, D] (any row stride); weight: [D]; statistics per `group_size` channels."""
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ weight^T (+ bias), as `F.linear`: x [..., K], weight [N, K], bias [N] or None;
         the result [..., N] in x's dtype, float32 accumulation. Any row count; the fast op
@@ -62,17 +67,6 @@ class KernelOps(Protocol):
         it and rounded once to x's dtype, as torch.square(F.relu(y)) rounds. The fast op
         squares in the few-row kernel's store (one kernel at decode), else it runs one
         in-place relu^2 pass after the projection."""
-
-    def gated_norm_linear(self, x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                          group_size: int, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """The Mamba-2 output norm and the projection after it as one op: the norm
-        g = rmsnorm_per_group(x * silu(z)) * norm_weight (norm after gating, float32
-        statistics per `group_size` channels, the normed value rounded to x's dtype before
-        the weight multiply), then linear(g in x's dtype, weight, bias).
-        x, z: [T, D] (any row stride); norm_weight: [D]; weight: [N, D]. Returns [T, N] in
-        x's dtype. The fast op norms inside the few-row projection kernel (one kernel at
-        decode; its group statistic sums in another order than the norm kernel's, so bits
-        can differ from the two-op path at rounding level), else it runs the two ops."""
 
     def causal_conv1d_varlen(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              conv_states: torch.Tensor, cu_seqlens: torch.Tensor, src_slots: torch.Tensor,

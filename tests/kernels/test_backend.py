@@ -111,7 +111,10 @@ def _fake_norm_family() -> types.ModuleType:
     def add_rms_norm(x, residual, weight, eps, weight_in_fp32=True, residual_scale=None):
         raise AssertionError("not called")
 
-    for func in (rms_norm, add_rms_norm):
+    def gated_rms_norm(x, z, weight, eps, group_size):
+        raise AssertionError("not called")
+
+    for func in (rms_norm, add_rms_norm, gated_rms_norm):
         func.__module__ = module.__name__
         setattr(module, func.__name__, func)
     return module

@@ -270,48 +270,6 @@ def test_linear_relu_square(rows: int, shape: tuple[int, int], with_bias: bool) 
     assert torch.equal(linear.linear_relu_square(float_x, float_w), ref.linear_relu_square(float_x, float_w))
 
 
-def _gated_norm_inputs(rows: int, n: int, k: int, with_bias: bool, dtype: torch.dtype = LOW):
-    x = randn(rows, k, dtype=dtype)
-    z = randn(rows, 2 * k, dtype=dtype)[:, k:]  # strided view, as the mixer passes it
-    norm_weight = randn(k, dtype=dtype)
-    weight = randn(n, k, dtype=dtype, scale=k ** -0.5)
-    return x, z, norm_weight, weight, randn(n, dtype=dtype) if with_bias else None
-
-
-@pytest.mark.parametrize("rows", [1, 5, 16, 17])  # 17: the gated norm kernel, then `linear`
-@pytest.mark.parametrize("shape", [(1024, 2048, 256), (1536, 3072, 3072), (200, 512, 256)])  # (N, K, group size)
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_gated_norm_linear(rows: int, shape: tuple[int, int, int], with_bias: bool) -> None:
-    """Mamba's gated norm normed inside the projection kernel (peer shapes: slices of two
-    groups; granite's: one group over four slices): close to the reference and to the two
-    kernels it replaces."""
-    n, k, group = shape
-    x, z, norm_weight, weight, bias = _gated_norm_inputs(rows, n, k, with_bias)
-    out = linear.gated_norm_linear(x, z, norm_weight, 1e-5, group, weight, bias)
-    assert out.dtype == LOW and out.shape == (rows, n)
-    two_kernels = linear.linear(norm.gated_rms_norm(x, z, norm_weight, 1e-5, group), weight, bias)
-    assert_close(out.float(), two_kernels.float(), TOL[LOW])
-    as_float = [t if t is None else t.float() for t in (x, z, norm_weight, weight, bias)]
-    expected = ref.gated_norm_linear(*as_float[:3], 1e-5, group, *as_float[3:])
-    assert_close(out.float(), expected, TOL[LOW])
-    float_out = linear.gated_norm_linear(*as_float[:3], 1e-5, group, *as_float[3:])  # float32: the two ops
-    assert_close(float_out, expected, TOL[torch.float32])
-
-
-def test_gated_norm_linear_slices_across_groups() -> None:
-    """K slices that start and end inside groups (3 slices of 512 columns, groups of 384):
-    each program takes the statistic of every group it enters, from the group's start."""
-    x, z, norm_weight, weight, _ = _gated_norm_inputs(3, 96, 1536, False)
-    gated = linear.GatedNorm(z, norm_weight, 1e-5, 384)
-    out = linear.skinny_linear(x, weight, None, linear.Tiling(32, 128, 3), gated_norm=gated)
-    expected = ref.gated_norm_linear(x.float(), z.float(), norm_weight.float(), 1e-5, 384, weight.float())
-    assert_close(out.float(), expected, TOL[LOW])
-    with pytest.raises(ValueError, match="at most 16 rows"):
-        linear.skinny_linear(randn(17, 1536, dtype=LOW), weight, None, linear.Tiling(32, 128, 3), gated_norm=gated)
-    with pytest.raises(ValueError, match="whole K steps"):
-        linear.skinny_linear(x, weight, None, linear.Tiling(32, 256, 3), gated_norm=gated)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33])  # 17-32: F.linear or `linear`, then the conv kernel in place
 @pytest.mark.parametrize("in_place", [False, True])
@@ -623,7 +581,6 @@ def test_decode_ops_capture_in_cuda_graph() -> None:
     proj_conv_w = randn(130, width, dtype=torch.bfloat16)
     assert linear.tiling(200, 1000).split > 1  # the conv epilogue behind the split-K fix-up
     lm_out = randn(batch, 3000, dtype=torch.bfloat16, scale=4.0)
-    proj_z = randn(batch, 512, dtype=torch.bfloat16)
 
     def step():
         return (linear.linear_conv_update(proj_x, proj_w, None, 30, proj_conv_w, None, proj_states, src, dst),
@@ -634,8 +591,7 @@ def test_decode_ops_capture_in_cuda_graph() -> None:
                 moe.moe_experts(mx, w_up, w_down, weights, ids, "relu2"),
                 *moe_routing.route_sigmoid_grouped(logits, bias, 2, 2, 1, True, 2.5),
                 *moe_routing.route_softmax_topk(logits, 2),
-                sampling.logits_argmax(lm_out, 6),
-                linear.gated_norm_linear(proj_x[:, :512], proj_z, proj_x[0, :512], 1e-5, 256, proj_w[:, :512]))
+                sampling.logits_argmax(lm_out, 6))
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -646,7 +602,7 @@ def test_decode_ops_capture_in_cuda_graph() -> None:
     with torch.cuda.graph(graph):
         outs = step()
 
-    for tensor in (proj_x, proj_z, conv_x, x, dt, b, c, q, mx, weights, logits, lm_out):
+    for tensor in (proj_x, conv_x, x, dt, b, c, q, mx, weights, logits, lm_out):
         tensor.copy_(torch.randn_like(tensor.float()).to(tensor.dtype))
     lens.copy_(torch.tensor([9, 0, 80, 1, 48, 32], dtype=torch.int32, device=DEVICE))
     ids.copy_(torch.stack([torch.randperm(8, device=DEVICE)[:2] for _ in range(batch)]))
@@ -659,8 +615,7 @@ def test_decode_ops_capture_in_cuda_graph() -> None:
                 ref.moe_experts(mx, w_up, w_down, weights, ids, "relu2"),
                 *ref.route_sigmoid_grouped(logits, bias, 2, 2, 1, True, 2.5),
                 *ref.route_softmax_topk(logits, 2),
-                ref.logits_argmax(lm_out, 6),
-                ref.gated_norm_linear(proj_x[:, :512], proj_z, proj_x[0, :512], 1e-5, 256, proj_w[:, :512]))
+                ref.logits_argmax(lm_out, 6))
     graph.replay()
     torch.cuda.synchronize()
     for got, want in zip(outs[:6], expected[:6]):
@@ -670,7 +625,6 @@ def test_decode_ops_capture_in_cuda_graph() -> None:
     assert torch.equal(outs[9], expected[9])
     assert (outs[8] - expected[8]).abs().max().item() < 1e-6
     assert torch.equal(outs[10], expected[10])
-    assert_close(outs[11].float(), expected[11].float(), 1e-2)
     check_pool(proj_states, proj_expected, dst[valid], 1e-2)
     check_pool(conv_states, conv_expected, dst[valid], 1e-2)
     check_pool(ssm_states, ssm_expected, dst[valid], 1e-5)

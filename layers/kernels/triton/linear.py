@@ -15,11 +15,6 @@ Why not cuBLAS: on its own cuBLAS reads these matrices about as fast (docs/kerne
 a kernel of ours is a programmatic dependent launch (`device.pdl`) that starts while the
 kernel before it drains, where a cuBLAS kernel waits for a full completion. Float32, more
 rows (a prompt step) and anything unusual go to `F.linear`.
-
-Fused around the projection, each where a decode step pays for a separate kernel: the conv
-update of Mamba's in_proj output columns, relu^2 of an MLP's up projection (epilogues in
-the store), and Mamba's gated output norm of out_proj's input (a prologue: each program
-norms the input columns it reads, taking a group's statistic once as it enters the group).
 """
 import functools
 from dataclasses import dataclass
@@ -32,7 +27,6 @@ import triton.language as tl
 from layers.kernels.triton.activation import relu_square
 from layers.kernels.triton.conv1d import check_activation, conv_update_channels, conv_update_into, unit_last_stride
 from layers.kernels.triton.device import MAX_ARRIVAL_COUNTERS, arrival_counters, pdl, wait_for_previous_kernel
-from layers.kernels.triton.norm import gated_rms_norm
 
 ROW_TILE = 16  # the tensor-core tile the rows are padded to
 MAX_ROWS = 2 * ROW_TILE  # past a decode step's 32 rows cuBLAS's tiled GEMMs take over
@@ -59,35 +53,6 @@ def _row_tile_product(acc, x_ptr, w, rows, k, M, K, stride_xm):
     x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
                 other=0.0)
     return acc + tl.dot(x, tl.trans(w))
-
-
-@triton.jit
-def _gated_norm_tile(x_ptr, z_ptr, norm_w_ptr, rstd, rows, k, M, K, stride_xm, stride_zm):
-    """The [16, BLOCK_K] tile of gated_rms_norm(x, z) in x's dtype, from its group's 1/rms
-    per row (`rstd`), rounded step for step as the gated norm kernel rounds it."""
-    mask = (rows[:, None] < M) & (k[None, :] < K)
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=mask, other=0.0)
-    z = tl.load(z_ptr + rows[:, None] * stride_zm + k[None, :], mask=mask, other=0.0).to(tl.float32)
-    normed = (x.to(tl.float32) * z * tl.sigmoid(z) * rstd[:, None]).to(x.dtype).to(tl.float32)
-    w = tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-    return (w[None, :] * normed).to(x.dtype)
-
-
-@triton.jit
-def _gated_norm_rstd(x_ptr, z_ptr, rows, group_start, group_size, M, K, stride_xm, stride_zm, eps,
-                     BLOCK_K: tl.constexpr):
-    """1/rms of x * silu(z) per row over the group of columns [group_start, + group_size),
-    a whole number of BLOCK_K steps."""
-    ks = tl.arange(0, BLOCK_K)
-    squares = tl.zeros((16,), tl.float32)
-    for k0 in range(group_start, group_start + group_size, BLOCK_K):
-        k = k0 + ks
-        mask = (rows[:, None] < M) & (k[None, :] < K)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + rows[:, None] * stride_zm + k[None, :], mask=mask, other=0.0).to(tl.float32)
-        h = x * z * tl.sigmoid(z)
-        squares += tl.sum(h * h, axis=1)
-    return tl.rsqrt(squares / group_size + eps)
 
 
 @triton.jit
@@ -138,10 +103,10 @@ def _sum_slices(partial_ptr, rows, cols, N, ROWS: tl.constexpr, SPLIT_K: tl.cons
 def _skinny_linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, partial_ptr, arrivals_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     conv_start, conv_dim, conv_w_ptr, conv_b_ptr, states_ptr, src_ptr, dst_ptr,
-    stride_cw, stride_slot, stride_sd, stride_sk, z_ptr, norm_w_ptr, stride_zm, group_size, norm_eps,
+    stride_cw, stride_slot, stride_sd, stride_sk,
     HAS_BIAS: tl.constexpr, ROW_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, CONV: tl.constexpr, CONV_K: tl.constexpr, CONV_BIAS: tl.constexpr, SILU: tl.constexpr,
-    RELU_SQUARE: tl.constexpr, GATED_NORM: tl.constexpr, PDL: tl.constexpr,
+    RELU_SQUARE: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     col_tile = tl.program_id(0)
@@ -154,20 +119,12 @@ def _skinny_linear_kernel(
     k_stop = tl.minimum(k_start + k_len, K)
     acc0 = tl.zeros((16, BLOCK_N), tl.float32)
     acc1 = tl.zeros((16, BLOCK_N), tl.float32)
-    rstd = tl.zeros((16,), tl.float32)
     for k0 in range(k_start, k_stop, BLOCK_K):
         k = k0 + ks
         w = tl.load(w_rows + k[None, :], mask=(cols[:, None] < N) & (k[None, :] < k_stop), other=0.0)
-        if GATED_NORM:  # (one row tile) the input is normed here: its group's statistic on entering it
-            if (k0 == k_start) | (k0 % group_size == 0):
-                rstd = _gated_norm_rstd(x_ptr, z_ptr, rows, k0 - k0 % group_size, group_size, M, K, stride_xm,
-                                        stride_zm, norm_eps, BLOCK_K)
-            x = _gated_norm_tile(x_ptr, z_ptr, norm_w_ptr, rstd, rows, k, M, k_stop, stride_xm, stride_zm)
-            acc0 += tl.dot(x, tl.trans(w))
-        else:
-            acc0 = _row_tile_product(acc0, x_ptr, w, rows, k, M, k_stop, stride_xm)
-            if ROW_TILES == 2:
-                acc1 = _row_tile_product(acc1, x_ptr, w, rows + 16, k, M, k_stop, stride_xm)
+        acc0 = _row_tile_product(acc0, x_ptr, w, rows, k, M, k_stop, stride_xm)
+        if ROW_TILES == 2:
+            acc1 = _row_tile_product(acc1, x_ptr, w, rows + 16, k, M, k_stop, stride_xm)
     last = True  # this program stores its column tile: the only one, or the last of its slices to arrive
     if SPLIT_K > 1:
         ROWS: tl.constexpr = 16 * ROW_TILES
@@ -275,48 +232,15 @@ def linear_conv_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return skinny_linear(x, weight, bias, tiling(*weight.shape), conv)
 
 
-@dataclass(frozen=True)
-class GatedNorm:
-    """The Mamba-2 gated norm `skinny_linear` applies to its input x before the projection
-    (`KernelOps.gated_norm_linear`): the gate z (x's shape and dtype, unit column stride),
-    the norm weight [K] in x's dtype, eps, and the group size (a multiple of the tiling's
-    BLOCK_K dividing K)."""
-
-    z: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-    group_size: int
-
-
-def gated_norm_linear(x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float, group_size: int,
-                      weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """linear(gated_rms_norm(x, z, ...) in x's dtype, weight, bias) (see
-    `KernelOps.gated_norm_linear`): one kernel for up to ROW_TILE rows that `takes_kernel`,
-    each program norming the input columns it reads (a group's statistic once per program
-    that enters the group), else the gated norm kernel and then `linear`."""
-    fused = (x.dim() == 2 and x.shape[0] <= ROW_TILE and takes_kernel(x, weight, bias) and z.shape == x.shape
-             and z.dtype == x.dtype and z.stride(-1) == 1 and norm_weight.dtype == x.dtype
-             and norm_weight.shape == (x.shape[1],) and norm_weight.stride(0) == 1 and x.shape[1] % group_size == 0
-             and group_size % tiling(*weight.shape).block_k == 0)
-    if not fused:
-        return linear(gated_rms_norm(x, z, norm_weight, eps, group_size).to(x.dtype), weight, bias)
-    return skinny_linear(x, weight, bias, tiling(*weight.shape), gated_norm=GatedNorm(z, norm_weight, eps, group_size))
-
-
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: Tiling,
-                  conv: ConvUpdate | None = None, relu_squared: bool = False,
-                  gated_norm: GatedNorm | None = None) -> torch.Tensor:
+                  conv: ConvUpdate | None = None, relu_squared: bool = False) -> torch.Tensor:
     """The skinny kernel with the given tiles, for inputs `takes_kernel` accepts (benchmarks
     and tests sweep tilings through it), with `conv`'s update of the conv columns if given,
-    relu^2 of every output if `relu_squared`, and the input gated-normed first if
-    `gated_norm` is given (then at most ROW_TILE rows)."""
+    and relu^2 of every output if `relu_squared`."""
     n, k = weight.shape
     if x.numel() == 0 or (tiles.split > 1 and triton.cdiv(n, tiles.block_n) * tiles.split > MAX_SPLIT_PROGRAMS):
         raise ValueError(f"skinny_linear: no rows, or a split grid over {MAX_SPLIT_PROGRAMS} programs ({tiles})")
     rows = x.numel() // x.shape[-1]
-    if gated_norm is not None and (rows > ROW_TILE or gated_norm.group_size % tiles.block_k or k % gated_norm.group_size):
-        raise ValueError(f"skinny_linear: a gated norm takes at most {ROW_TILE} rows and groups of whole K steps "
-                         f"dividing K ({rows} rows, group size {gated_norm.group_size}, {tiles}, K {k})")
     flat = x.reshape(rows, x.shape[-1])
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
@@ -331,19 +255,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         conv_args = (conv.start, conv.weight.shape[0], conv.weight, conv.bias if conv.bias is not None else conv.weight,
                      conv.states, conv.src_slots, conv.dst_slots, conv.weight.stride(0), *conv.states.stride())
         conv_k, conv_bias = conv.weight.shape[1], conv.bias is not None
-    if gated_norm is None:  # (`out` stands in for the unused pointers)
-        norm_args = (out, out, 0, 1, 0.0)
-    else:
-        norm_args = (gated_norm.z, gated_norm.weight, gated_norm.z.stride(0), gated_norm.group_size, gated_norm.eps)
     _skinny_linear_kernel[(triton.cdiv(n, tiles.block_n), tiles.split)](
         flat, weight, bias if bias is not None else weight, out, partials, arrival_counters(x.device), rows, n, k,
-        flat.stride(0), weight.stride(0), out.stride(0), *conv_args, *norm_args,
+        flat.stride(0), weight.stride(0), out.stride(0), *conv_args,
         HAS_BIAS=bias is not None, ROW_TILES=row_tiles, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         SPLIT_K=tiles.split, CONV=conv is not None, CONV_K=conv_k, CONV_BIAS=conv_bias,
-        SILU=conv is not None and conv.silu, RELU_SQUARE=relu_squared, GATED_NORM=gated_norm is not None,
-        num_warps=4, num_stages=4,
-        # No FMA contraction: the epilogues round as the conv and relu^2 kernels do, bit for
-        # bit (the gated norm prologue sums its squares in its own order anyway).
+        SILU=conv is not None and conv.silu, RELU_SQUARE=relu_squared, num_warps=4, num_stages=4,
+        # No FMA contraction (only the epilogues have products to contract): they round as
+        # the conv and relu^2 kernels do, bit for bit.
         enable_fp_fusion=False, **pdl(flat),
     )
     return out.view(*x.shape[:-1], n)
