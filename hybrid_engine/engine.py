@@ -80,17 +80,24 @@ class LoadedModel:
     name: str
 
 
+def release_cached_memory() -> None:
+    """Hand the CUDA memory no live tensor uses back to the driver: unreachable objects (an
+    earlier engine in this process, say) are collected, then the caching allocator's free
+    blocks released."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def load_engine_model(cfg: EngineConfig, kernels: Any, tp: ParallelContext = SINGLE) -> LoadedModel:
     """Load the model `cfg.model` names (None: the embedded one; "preset:NAME"; a checkpoint
     directory) with the kernels `kernels` (`layers.kernels.select_ops`); under tensor
     parallelism, this rank's shard of it (`tp`)."""
     hf_config, path, tokenizer, name, weight_seed = _resolve_model(cfg)
     if torch.device(cfg.device).type == "cuda":
-        # Cached blocks of dropped tensors (an earlier engine's KV cache, say) go back to the
-        # driver first: a weight placed inside such a block would keep all of it reserved,
-        # and the pools sized after loading would lose that memory (1.2 GiB measured).
-        gc.collect()
-        torch.cuda.empty_cache()
+        # A weight placed inside a cached block of dropped tensors (an earlier engine's KV
+        # cache, say) would keep all of that block reserved, and the pools sized after
+        # loading would lose it (1.2 GiB measured).
+        release_cached_memory()
     model = load_model(hf_config, path, torch.device(cfg.device), cfg.torch_dtype, cfg.load_format, weight_seed,
                        ops=kernels, tp=tp)
     return LoadedModel(model, hf_config, tokenizer, name)
@@ -319,10 +326,7 @@ class LLMEngine:
                 checkpoints = 2 * max_num_seqs
         if self.device.type != "cuda":
             return max_num_seqs, cfg.num_kv_blocks or -(-tokens_needed // cfg.kv_block_size), checkpoints
-        # Memory of unreachable objects (e.g. an earlier engine in this process) and blocks
-        # the caching allocator holds but no tensor uses count as free.
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_cached_memory()  # memory no live tensor uses counts as free
         free, total = torch.cuda.mem_get_info(self.device)
         if self.group is not None:  # pools of the same size on every rank: the tightest one decides
             free = self.group.min_over_ranks(free)

@@ -68,6 +68,14 @@ class PagedAttention(nn.Module):
             for param, view in zip(params, stacked.split(self.qkv_sizes)):
                 param.data = view
 
+    def _apply(self, fn, recurse: bool = True):
+        """Module conversions (`.to(dtype)`, `.half()`, ...) convert the parameters and the
+        stacks separately, which would leave the parameters views of nothing: the stacks
+        are rebuilt from the converted parameters."""
+        super()._apply(fn, recurse)
+        self._stack_qkv()
+        return self
+
     def forward(self, x: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.ops.linear(x, self.qkv_weight, self.qkv_bias).split(self.qkv_sizes, dim=-1)

@@ -52,6 +52,7 @@ from step_kernels import report_kernel_counts  # noqa: E402
 from step_probe import StepProbe, percentile, probe_decode, random_prompts  # noqa: E402
 
 from hybrid_engine import LLM, SamplingParams  # noqa: E402
+from hybrid_engine.config import MAMBA_SSM_CACHE_DTYPES  # noqa: E402
 from hybrid_engine.models.loader import read_config  # noqa: E402
 from hybrid_engine.models.presets import get_preset  # noqa: E402
 
@@ -171,7 +172,8 @@ def time_modes(args: argparse.Namespace, model: str, bandwidth: float) -> list[d
                 distinct[batch] = measure_distinct_experts(llm, batch, args.prompt_len)
             floors = step_floors(llm.engine, batch, args.prompt_len + args.output_len // 2, distinct[batch])
             probe = probe_decode(llm, batch, args.prompt_len)
-            row = dict(mode=mode, batch=batch, **r, **probe, **floor_columns(floors, bandwidth, r["itl_p50_ms"]))
+            row = dict(mode=mode, batch=batch, mamba_ssm_cache_dtype=llm.engine.config.mamba_ssm_cache_dtype, **r,
+                       **probe, **floor_columns(floors, bandwidth, r["itl_p50_ms"]))
             rows.append(row)
             host = " ".join(f"{k}={probe[f'host_{k}_us']:.0f}" for k in StepProbe.PHASES)
             moe = ""
@@ -226,7 +228,7 @@ def main() -> None:
                     help="timed modes (none: no timed runs, e.g. with --count-kernels)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="tokens per step (prompt steps' budget); default: the engine's (8192 on CUDA)")
-    ap.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    ap.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=MAMBA_SSM_CACHE_DTYPES,
                     help="the SSM state pool's dtype (auto: the config's, else float32); Megatron-Core's "
                          "default is the model dtype (bfloat16 in its peer run)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per row; the median run is reported")
@@ -245,7 +247,7 @@ def main() -> None:
         print(f"HF generate    B={args.hf_batch:4d} {r['tok_s']:9.0f} tok/s  mean step {r['itl_mean_ms']:.2f} ms", flush=True)
     if rows:
         print(f"\nmodel {args.model}, prompt {args.prompt_len}, output {args.output_len}, bf16, "
-              f"mamba_ssm_cache_dtype {args.mamba_ssm_cache_dtype}"
+              f"mamba_ssm_cache_dtype {rows[0].get('mamba_ssm_cache_dtype', args.mamba_ssm_cache_dtype)}"
               + (f", copy bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth else ""))
         print_table(rows)
     if args.count_kernels:

@@ -159,6 +159,21 @@ def test_bfloat16_conversion(nemotron_dir):
     torch.testing.assert_close(model.lm_head.weight.float(), ref.bfloat16().float())
 
 
+def test_attention_stacks_hold_the_checkpoint_q_k_v(nemotron_dir):
+    """Loading writes q_proj / k_proj / v_proj in place, so the stacked projection each
+    attention layer runs holds the checkpoint's three tensors (converted to bf16)."""
+    model = load_model(read_config(nemotron_dir), nemotron_dir, torch.device("cpu"), torch.bfloat16,
+                       ops=REFERENCE_OPS)
+    tensors = load_file(os.path.join(nemotron_dir, "model.safetensors"))
+    by_model_name = {model.normalize_checkpoint_name(name): t for name, t in tensors.items()}
+    names = {module: name for name, module in model.named_modules()}
+    assert model.attention_layers()
+    for layer in model.attention_layers():
+        prefix = names[layer]
+        expected = torch.cat([by_model_name[f"{prefix}.{p}_proj.weight"] for p in "qkv"]).bfloat16()
+        assert torch.equal(layer.qkv_weight, expected)
+
+
 def _dummy(cfg: dict, seed: int, dtype: torch.dtype = torch.float32):
     return load_model(cfg, None, torch.device("cpu"), dtype, load_format="dummy", seed=seed, ops=REFERENCE_OPS)
 
