@@ -11,7 +11,7 @@ is a `ParameterError` naming the field; too long a request is a `ContextLengthEx
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from hybrid_engine.sampling_params import ParameterError, SamplingParams, is_int
+from hybrid_engine.sampling_params import ParameterError, SamplingParams, check_unicode, is_int
 
 Prompt = str | Sequence[int]
 
@@ -48,10 +48,7 @@ def encode_prompt(prompt: Prompt, tokenizer: Any | None, field: str = "prompt", 
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ParameterError(field, f"{field}: this model has no tokenizer; pass token ids (a list of ints)")
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800"): no UTF-8 text a tokenizer could read
-            raise ParameterError(field, f"{field} is not valid Unicode text: {exc.reason} at index {exc.start}") from None
+        check_unicode(prompt, field)
         return tokenizer.encode(prompt, add_special_tokens=add_special_tokens, split_special_tokens=split_special_tokens)
     # (The set of element types first: C speed for the usual all-int list of thousands.)
     if isinstance(prompt, (list, tuple)) and (set(map(type, prompt)) <= {int} or all(is_int(t) for t in prompt)):

@@ -26,6 +26,16 @@ class ParameterError(ValueError):
         self.param = param
 
 
+def check_unicode(text: str, field: str) -> None:
+    """ParameterError(field) if `text` is no valid Unicode text: a lone surrogate ("\ud800"),
+    which JSON can escape, has no UTF-8 form, so no tokenizer or detokenized output can
+    hold it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ParameterError(field, f"{field} is not valid Unicode text: {exc.reason} at index {exc.start}") from None
+
+
 @dataclass(frozen=True)
 class Range:
     """The values of one numeric field: a `kind` (int or float) in [lo, hi], or (lo, hi]
@@ -103,6 +113,8 @@ class SamplingParams:
             if len(self.stop) > MAX_STOP_STRINGS:
                 raise ParameterError("stop", f"stop must have at most {MAX_STOP_STRINGS} strings, "
                                              f"got {len(self.stop)}")
+            for text in self.stop:  # (one that is not text could never match the output)
+                check_unicode(text, "stop")
         if self.stop_token_ids is not None and not (
             isinstance(self.stop_token_ids, list) and all(is_int(t) and t >= 0 for t in self.stop_token_ids)
         ):

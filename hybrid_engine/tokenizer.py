@@ -34,7 +34,8 @@ IM_END_ID = 260
 BYTE_TOKENIZER_VOCAB_SIZE = 261
 
 # ChatML: "<|im_start|>role\ncontent<|im_end|>\n" per message. Content may also be
-# an OpenAI-style list of parts, of which only the text parts are rendered.
+# an OpenAI-style list of parts, of which only the text parts are rendered. An assistant
+# message's tool calls follow its content as <tool_call> JSON blocks (Qwen/Hermes style).
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' }}"
@@ -42,6 +43,10 @@ CHATML_TEMPLATE = (
     "{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}"
+    "{% for call in message.get('tool_calls', []) %}"
+    "{{ '\n<tool_call>\n{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": '"
+    " + (call['function']['arguments'] | tojson) + '}\n</tool_call>' }}"
+    "{% endfor %}"
     "{{ '<|im_end|>' + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"

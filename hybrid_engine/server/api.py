@@ -81,11 +81,19 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None, limits: Serve
         """OpenAI chat completions."""
         return await cancel_on_disconnect(request, chat.create(body))
 
+    def model_card() -> ModelCard:
+        return ModelCard(id=model_name, root=llm.info.model_name, max_model_len=llm.info.max_request_tokens)
+
     @app.get("/v1/models")
     async def list_models() -> Response:
         """The one served model."""
-        card = ModelCard(id=model_name, root=llm.info.model_name, max_model_len=llm.info.max_request_tokens)
-        return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+        return Response(ModelList(data=[model_card()]).model_dump_json(), media_type="application/json")
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> Response:
+        """The served model's card (404 for any other name; names may hold slashes)."""
+        completions.check_model(model_id)
+        return Response(model_card().model_dump_json(), media_type="application/json")
 
     @app.get("/health")
     async def health() -> Response:

@@ -61,7 +61,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
     err = errors[0]
     # FastAPI prefixes body fields with "body"; union/validator tags are not parameter names.
     loc = [str(p) for p in err.get("loc", ()) if p != "body" and not str(p).startswith(("function-", "list["))]
-    param = ".".join(loc) or None
+    # A check across fields (a model validator) names its field in the error's context.
+    param = ".".join(loc) or (err.get("ctx") or {}).get("param")
     kind = err.get("type", "")
     message = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     if kind == "json_invalid":

@@ -8,13 +8,14 @@ enforces, so the schema (and the OpenAPI docs) accept exactly what the library d
 What needs the model to check (vocabulary, context length, the model name) is checked by
 the serving layer, which knows the engine.
 """
+import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from hybrid_engine.sampling_params import MAX_STOP_STRINGS, RANGES, is_int
+from hybrid_engine.sampling_params import MAX_STOP_STRINGS, RANGES, check_unicode, is_int
 
 # vLLM's request spelling of "top_k off"; the library's is 0 (see `sampling_kwargs`).
 TOP_K_OFF = -1
@@ -101,6 +102,11 @@ class SamplingRequest(StrictModel):
             raise ValueError("stop must be a string or a list of strings")
         return value
 
+    @field_validator("user")
+    @classmethod
+    def _user_text(cls, value: str | None) -> str | None:
+        return unicode_text(value, "user")
+
     @field_validator("logit_bias")
     @classmethod
     def _no_logit_bias(cls, value: dict[str, float]) -> dict[str, float]:
@@ -116,7 +122,8 @@ class SamplingRequest(StrictModel):
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingRequest":
         if self.stream_options is not None and not self.stream:
-            raise PydanticCustomError("invalid_value", "stream_options can only be set when stream is true")
+            raise PydanticCustomError("invalid_value", "stream_options can only be set when stream is true",
+                                      {"param": "stream_options"})
         return self
 
     @property
@@ -181,6 +188,13 @@ class CompletionRequest(SamplingRequest):
                          "token ids")
 
 
+def unicode_text(value: str | None, field: str) -> str | None:
+    """`value` if it is valid Unicode text (see `check_unicode`), for field validators."""
+    if value is not None:
+        check_unicode(value, field)
+    return value
+
+
 class TextPart(StrictModel):
     """A `{"type": "text", "text": ...}` content part (the only kind supported)."""
 
@@ -188,12 +202,46 @@ class TextPart(StrictModel):
     text: str
 
 
+class ToolCallFunction(StrictModel):
+    """The function an assistant's tool call named, with its arguments as the model wrote
+    them (a JSON string)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(StrictModel):
+    """One tool call of an earlier assistant message (OpenAI's `tool_calls` entries)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+    def template_dict(self) -> dict[str, Any]:
+        """The call as chat templates expect it: HF templates render `arguments` as a
+        mapping, so a JSON object string is parsed (as vLLM does); anything else stays a
+        string."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            arguments = self.function.arguments
+        return {"id": self.id, "type": self.type, "function": {"name": self.function.name, "arguments": arguments}}
+
+
 class ChatMessage(StrictModel):
-    """One input message; content is a string or a list of text parts."""
+    """One input message; content is a string or a list of text parts. Conversation history
+    with tools: an assistant message may carry `tool_calls` (its content then usually
+    null), a tool message the `tool_call_id` it answers. The tools' definitions and parsing
+    tool calls out of the output are not supported: a client that prompts for tool use
+    itself can send the history back."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] = ""
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -202,11 +250,35 @@ class ChatMessage(StrictModel):
             return value
         if not isinstance(value, list):
             raise ValueError("content must be a string or a list of content parts")
-        for part in value:
+        for i, part in enumerate(value):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind != "text":
-                raise ValueError(f"only text content parts are supported, got {kind!r}")
+                raise ValueError(f"only text content parts are supported, got {kind!r} (part {i})")
+            unknown = sorted(set(part) - set(TextPart.model_fields))
+            if unknown:
+                raise ValueError(f"content part {i} has unrecognized keys {unknown}")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"content part {i} needs a 'text' string")
         return value
+
+    @field_validator("name")
+    @classmethod
+    def _name_text(cls, value: str | None) -> str | None:
+        return unicode_text(value, "name")
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_of_the_assistant(cls, value: list[ToolCall] | None, info: ValidationInfo) -> list[ToolCall] | None:
+        if value is not None and info.data.get("role") != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return value
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _answer_of_a_tool(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and info.data.get("role") != "tool":
+            raise ValueError("only tool messages carry a tool_call_id")
+        return unicode_text(value, "tool_call_id")
 
     def template_dict(self) -> dict[str, Any]:
         """The message as chat templates expect it (plain dicts)."""
@@ -214,6 +286,10 @@ class ChatMessage(StrictModel):
         out: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls is not None:
+            out["tool_calls"] = [call.template_dict() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 
@@ -250,7 +326,8 @@ class ChatCompletionRequest(SamplingRequest):
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
-            raise PydanticCustomError("invalid_value", "top_logprobs requires logprobs to be true")
+            raise PydanticCustomError("invalid_value", "top_logprobs requires logprobs to be true",
+                                      {"param": "top_logprobs"})
         return self
 
     @property

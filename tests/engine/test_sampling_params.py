@@ -32,6 +32,7 @@ BAD_PARAMS = [
     ({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}, "stop"),
     ({"stop_token_ids": [-3]}, "stop_token_ids"),
     ({"stop": 5}, "stop"),
+    ({"stop": ["ok", "\ud800"]}, "stop"),  # a lone surrogate: no text could ever match it
     ({"max_tokens": 4, "bogus_knob": 1}, "bogus_knob"),
 ]
 # Valid for SamplingParams, invalid for the model serving it (the embedded vocab is 261).

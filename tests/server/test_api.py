@@ -22,6 +22,11 @@ def test_models_and_health(server: Server, client: openai.OpenAI):
     assert [m.id for m in models] == [MODEL]
     assert models[0].max_model_len == MAX_MODEL_LEN
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    card = client.models.retrieve(MODEL)  # the name holds a slash
+    assert card.id == MODEL and card.max_model_len == MAX_MODEL_LEN
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4")
+    assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"
 
 
 def test_completion_fields(client: openai.OpenAI):
@@ -65,6 +70,21 @@ def test_chat_completion(client: openai.OpenAI):
     prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert prompt.endswith("<|im_start|>assistant\n")
     assert r.usage.prompt_tokens == len(tokenizer.encode(prompt)) and r.usage.completion_tokens == 12
+
+
+def test_chat_tool_call_history(client: openai.OpenAI):
+    """A tool-using client's second turn: the assistant's tool call (content null) and the
+    tool's answer go through the chat template, the call's JSON arguments as a mapping."""
+    call = {"id": "c1", "type": "function", "function": {"name": "wx", "arguments": '{"at": 1}'}}
+    messages = [{"role": "user", "content": "wx?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
+    tokenizer = build_byte_tokenizer()
+    rendered = [{**m, "content": m["content"] or ""} for m in messages]
+    rendered[1]["tool_calls"] = [{**call, "function": {"name": "wx", "arguments": {"at": 1}}}]
+    prompt = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+    assert '<tool_call>\n{"name": "wx", "arguments": {"at": 1}}\n</tool_call>' in prompt
+    assert r.usage.prompt_tokens == len(tokenizer.encode(prompt))
 
 
 @pytest.mark.parametrize("max_tokens, max_completion_tokens", [(9, 3), (3, 9), (None, 4)])

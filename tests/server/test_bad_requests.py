@@ -9,6 +9,7 @@ from tests.server.conftest import MAX_MODEL_LEN, Server
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "hi"}]
+TOOL_CALL = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
 # (endpoint, JSON body, expected status, expected param or None, expected code or None)
 CASES = [
@@ -79,11 +80,22 @@ CASES = [
     (CHAT, {"messages": USER, "store": True}, 400, "store", "not_implemented"),
     (COMPLETIONS, {"prompt": "a", "n": 2}, 400, "n", "not_implemented"),
     (CHAT, {"messages": USER, "n": 3}, 400, "n", "not_implemented"),
-    (COMPLETIONS, {"prompt": "a", "stream_options": {"include_usage": True}}, 400, None, "invalid_value"),
-    (CHAT, {"messages": USER, "top_logprobs": 2}, 400, None, "invalid_value"),
+    (COMPLETIONS, {"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options", "invalid_value"),
+    (CHAT, {"messages": USER, "stream_options": {"include_usage": True}}, 400, "stream_options", "invalid_value"),
+    (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs", "invalid_value"),
     (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role", "invalid_value"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
      "messages.0.content", "invalid_value"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {}}]}]}, 400,
+     "messages.0.content", "invalid_value"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages.0.content", "invalid_value"),
+    # tool-call history: only where OpenAI puts it, complete
+    (CHAT, {"messages": [{"role": "user", "content": "a", "tool_calls": [TOOL_CALL]}]}, 400, "messages.0.tool_calls",
+     "invalid_value"),
+    (CHAT, {"messages": [{"role": "user", "content": "a", "tool_call_id": "c"}]}, 400, "messages.0.tool_call_id",
+     "invalid_value"),
+    (CHAT, {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}]}, 400,
+     "messages.0.tool_calls.0.function.arguments", "missing_required_parameter"),
     # the model name
     (COMPLETIONS, {"prompt": "a", "model": "gpt-4"}, 404, "model", "model_not_found"),
     (CHAT, {"messages": USER, "model": "nope"}, 404, "model", "model_not_found"),
@@ -143,6 +155,9 @@ def test_unknown_route_and_method(server: Server):
 @pytest.mark.parametrize("path, body, param", [
     (COMPLETIONS, {"prompt": "\ud800x", "max_tokens": 2}, "prompt"),
     (CHAT, {"messages": [{"role": "user", "content": "\ud800x"}], "max_tokens": 2}, "messages"),
+    (COMPLETIONS, {"prompt": "a", "stop": ["\ud800"], "max_tokens": 2}, "stop"),
+    (COMPLETIONS, {"prompt": "a", "user": "\udfff", "max_tokens": 2}, "user"),
+    (CHAT, {"messages": [{"role": "user", "content": "a", "name": "\ud800"}], "max_tokens": 2}, "messages.0.name"),
 ])
 def test_lone_surrogate_is_a_400(server: Server, path, body, param):
     """JSON may escape a lone surrogate ("\\ud800"), which is no Unicode text: a 400 naming the
