@@ -97,7 +97,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         # FastAPI raises 400 "There was an error parsing the body" for bodies json.loads
         # cannot even decode (e.g. nesting deeper than the recursion limit).
-        code = "invalid_json" if exc.status_code == 400 else ("not_found" if exc.status_code == 404 else None)
+        code = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return APIError(str(exc.detail), status=exc.status_code, code=code,
                         headers=getattr(exc, "headers", None)).response()
 

@@ -148,7 +148,7 @@ def test_malformed_body(server: Server, path, raw, content_type):
 def test_unknown_route_and_method(server: Server):
     """404 and 405 use the OpenAI error shape too."""
     assert assert_error_body(httpx.get(f"{server.url}/v2/nothing"), 404)["code"] == "not_found"
-    assert_error_body(httpx.get(f"{server.url}{COMPLETIONS}"), 405)
+    assert assert_error_body(httpx.get(f"{server.url}{COMPLETIONS}"), 405)["code"] == "method_not_allowed"
     server.assert_healthy()
 
 
