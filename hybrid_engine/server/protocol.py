@@ -223,7 +223,7 @@ class ToolCall(StrictModel):
         string."""
         try:
             arguments = json.loads(self.function.arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
             arguments = None
         if not isinstance(arguments, dict):
             arguments = self.function.arguments

@@ -96,6 +96,8 @@ CASES = [
      "invalid_value"),
     (CHAT, {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}]}, 400,
      "messages.0.tool_calls.0.function.arguments", "missing_required_parameter"),
+    (CHAT, {"messages": [{"role": "assistant", "tool_calls": [{**TOOL_CALL, "function": {"name": "f", "arguments":
+     "[" * 5000}}]}]}, 400, "messages", "context_length_exceeded"),  # too deep for json.loads: kept as text
     # the model name
     (COMPLETIONS, {"prompt": "a", "model": "gpt-4"}, 404, "model", "model_not_found"),
     (CHAT, {"messages": USER, "model": "nope"}, 404, "model", "model_not_found"),
