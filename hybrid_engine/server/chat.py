@@ -1,4 +1,5 @@
 """POST /v1/chat/completions: messages rendered with the tokenizer's chat template."""
+import functools
 import re
 import uuid
 from typing import AsyncIterator
@@ -69,12 +70,11 @@ class ChatHandler(OpenAIServing):
             return key
 
         dicts = []
-        for message in messages:
+        for i, message in enumerate(messages):
+            self._check_markup_free(message, i)
             d = message.template_dict()
-            if isinstance(d["content"], str):
+            if d["content"]:  # (an empty text stays empty: templates test content for truth)
                 d["content"] = placeholder(d["content"])
-            else:
-                d["content"] = [{**part, "text": placeholder(part["text"])} for part in d["content"]]
             dicts.append(d)
         try:
             # Render to text, then encode: transformers 5 returns a BatchEncoding (not ids)
@@ -90,6 +90,25 @@ class ChatHandler(OpenAIServing):
             elif piece:
                 ids += self._tokenize(piece, plain_text=False)
         return ids
+
+    def _check_markup_free(self, message: ChatMessage, index: int) -> None:
+        """400 naming the field if a message's name or a tool call's name or arguments hold a
+        special token's text: templates write those as markup, not as placeholder text, so
+        the text would become the token itself (role injection)."""
+        fields = [("name", message.name)]
+        for j, call in enumerate(message.tool_calls or ()):
+            fields += [(f"tool_calls.{j}.function.name", call.function.name),
+                       (f"tool_calls.{j}.function.arguments", call.function.arguments)]
+        for field, text in fields:
+            token = next((t for t in self._special_tokens if text and t in text), None)
+            if token is not None:
+                param = f"messages.{index}.{field}"
+                raise APIError(f"{param} must not contain the special token {token!r}", param=param,
+                               code="invalid_value")
+
+    @functools.cached_property
+    def _special_tokens(self) -> tuple[str, ...]:
+        return tuple(self.info.tokenizer.all_special_tokens)
 
     def _tokenize(self, text: str, plain_text: bool) -> list[int]:
         """Token ids of part of a chat prompt (400 naming "messages" if it is not valid text)."""

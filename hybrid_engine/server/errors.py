@@ -79,7 +79,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
                             code="invalid_type")
         return APIError(f"{param}: {message}", param=param, code="invalid_type")
     code = "not_implemented" if kind == "not_implemented" else "invalid_value"
-    return APIError(f"{param}: {message}" if param else message, param=param, code=code)
+    named = param is None or message.startswith(param)  # (messages of checks that name their field)
+    return APIError(message if named else f"{param}: {message}", param=param, code=code)
 
 
 def install_error_handlers(app: FastAPI) -> None:

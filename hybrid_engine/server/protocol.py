@@ -44,6 +44,13 @@ def only_neutral(name: str, value: Any, neutral: Any) -> Any:
     return value
 
 
+def unicode_text(value: str | None, field: str) -> str | None:
+    """`value` if it is valid Unicode text (see `check_unicode`), for field validators."""
+    if value is not None:
+        check_unicode(value, field)
+    return value
+
+
 class StrictModel(BaseModel):
     """Base of request bodies: exact JSON types, finite numbers, no unknown fields."""
 
@@ -188,13 +195,6 @@ class CompletionRequest(SamplingRequest):
                          "token ids")
 
 
-def unicode_text(value: str | None, field: str) -> str | None:
-    """`value` if it is valid Unicode text (see `check_unicode`), for field validators."""
-    if value is not None:
-        check_unicode(value, field)
-    return value
-
-
 class TextPart(StrictModel):
     """A `{"type": "text", "text": ...}` content part (the only kind supported)."""
 
@@ -209,18 +209,30 @@ class ToolCallFunction(StrictModel):
     name: str
     arguments: str
 
+    @field_validator("name")
+    @classmethod
+    def _name_text(cls, value: str) -> str:
+        return unicode_text(value, "name")
+
 
 class ToolCall(StrictModel):
-    """One tool call of an earlier assistant message (OpenAI's `tool_calls` entries)."""
+    """One tool call of an earlier assistant message (OpenAI's `tool_calls` entries;
+    `index`, which clients that assemble streamed deltas keep, is accepted and unused)."""
 
     id: str
     type: Literal["function"] = "function"
     function: ToolCallFunction
+    index: int | None = None
+
+    @field_validator("id")
+    @classmethod
+    def _id_text(cls, value: str) -> str:
+        return unicode_text(value, "id")
 
     def template_dict(self) -> dict[str, Any]:
-        """The call as chat templates expect it: HF templates render `arguments` as a
-        mapping, so a JSON object string is parsed (as vLLM does); anything else stays a
-        string."""
+        """The call as chat templates are written for: most HF templates render
+        `arguments` with `tojson`, expecting a mapping, so a JSON object string is parsed
+        (as vLLM does); anything else stays the string."""
         try:
             arguments = json.loads(self.function.arguments)
         except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
@@ -281,8 +293,10 @@ class ChatMessage(StrictModel):
         return unicode_text(value, "tool_call_id")
 
     def template_dict(self) -> dict[str, Any]:
-        """The message as chat templates expect it (plain dicts)."""
-        content = self.content if isinstance(self.content, str) else [p.model_dump() for p in self.content]
+        """The message as chat templates expect it (plain dicts). Text parts are joined
+        into one string (with newlines, as vLLM joins them): many templates write
+        `message.content` out as it is, which would print a list's repr."""
+        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
         out: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             out["name"] = self.name

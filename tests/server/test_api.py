@@ -73,14 +73,18 @@ def test_chat_completion(client: openai.OpenAI):
 
 
 def test_chat_tool_call_history(client: openai.OpenAI):
-    """A tool-using client's second turn: the assistant's tool call (content null) and the
-    tool's answer go through the chat template, the call's JSON arguments as a mapping."""
+    """A tool-using client's second turn: the assistant's tool call (content null; `index`
+    as streamed-delta collectors keep it) and the tool's answer (as text parts, joined with
+    a newline) go through the chat template, the call's JSON arguments as a mapping."""
     call = {"id": "c1", "type": "function", "function": {"name": "wx", "arguments": '{"at": 1}'}}
-    messages = [{"role": "user", "content": "wx?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    messages = [{"role": "user", "content": "wx?"},
+                {"role": "assistant", "content": None, "tool_calls": [{**call, "index": 0}]},
+                {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "o"},
+                                                                   {"type": "text", "text": "k"}]}]
     r = client.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
     tokenizer = build_byte_tokenizer()
-    rendered = [{**m, "content": m["content"] or ""} for m in messages]
+    rendered = [{"role": "user", "content": "wx?"}, {"role": "assistant", "content": ""},
+                {"role": "tool", "content": "o\nk", "tool_call_id": "c1"}]
     rendered[1]["tool_calls"] = [{**call, "function": {"name": "wx", "arguments": {"at": 1}}}]
     prompt = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
     assert '<tool_call>\n{"name": "wx", "arguments": {"at": 1}}\n</tool_call>' in prompt
