@@ -10,9 +10,9 @@ the serving layer, which knows the engine.
 """
 import json
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from hybrid_engine.sampling_params import MAX_STOP_STRINGS, RANGES, check_unicode, is_int
@@ -44,11 +44,13 @@ def only_neutral(name: str, value: Any, neutral: Any) -> Any:
     return value
 
 
-def unicode_text(value: str | None, field: str) -> str | None:
-    """`value` if it is valid Unicode text (see `check_unicode`), for field validators."""
-    if value is not None:
-        check_unicode(value, field)
+def _unicode_text(value: str, info: ValidationInfo) -> str:
+    check_unicode(value, info.field_name)
     return value
+
+
+# A string field whose text must be valid Unicode (JSON can escape a lone surrogate).
+UnicodeStr = Annotated[str, AfterValidator(_unicode_text)]
 
 
 class StrictModel(BaseModel):
@@ -83,7 +85,7 @@ class SamplingRequest(StrictModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1)
-    user: str | None = None  # accepted for compatibility; not used
+    user: UnicodeStr | None = None  # accepted for compatibility; not used
     logit_bias: dict[str, float] = Field(default_factory=dict)  # only {} (see `only_neutral`)
     max_tokens: int | None = ranged(None, "max_tokens")
     temperature: float = ranged(1.0, "temperature")
@@ -108,11 +110,6 @@ class SamplingRequest(StrictModel):
         if not (isinstance(value, list) and all(isinstance(s, str) for s in value)):
             raise ValueError("stop must be a string or a list of strings")
         return value
-
-    @field_validator("user")
-    @classmethod
-    def _user_text(cls, value: str | None) -> str | None:
-        return unicode_text(value, "user")
 
     @field_validator("logit_bias")
     @classmethod
@@ -206,28 +203,18 @@ class ToolCallFunction(StrictModel):
     """The function an assistant's tool call named, with its arguments as the model wrote
     them (a JSON string)."""
 
-    name: str
+    name: UnicodeStr
     arguments: str
-
-    @field_validator("name")
-    @classmethod
-    def _name_text(cls, value: str) -> str:
-        return unicode_text(value, "name")
 
 
 class ToolCall(StrictModel):
     """One tool call of an earlier assistant message (OpenAI's `tool_calls` entries;
     `index`, which clients that assemble streamed deltas keep, is accepted and unused)."""
 
-    id: str
+    id: UnicodeStr
     type: Literal["function"] = "function"
     function: ToolCallFunction
     index: int | None = None
-
-    @field_validator("id")
-    @classmethod
-    def _id_text(cls, value: str) -> str:
-        return unicode_text(value, "id")
 
     def template_dict(self) -> dict[str, Any]:
         """The call as chat templates are written for: most HF templates render
@@ -251,9 +238,9 @@ class ChatMessage(StrictModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] = ""
-    name: str | None = None
+    name: UnicodeStr | None = None
     tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
+    tool_call_id: UnicodeStr | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -273,11 +260,6 @@ class ChatMessage(StrictModel):
                 raise ValueError(f"content part {i} needs a 'text' string")
         return value
 
-    @field_validator("name")
-    @classmethod
-    def _name_text(cls, value: str | None) -> str | None:
-        return unicode_text(value, "name")
-
     @field_validator("tool_calls")
     @classmethod
     def _calls_of_the_assistant(cls, value: list[ToolCall] | None, info: ValidationInfo) -> list[ToolCall] | None:
@@ -290,7 +272,7 @@ class ChatMessage(StrictModel):
     def _answer_of_a_tool(cls, value: str | None, info: ValidationInfo) -> str | None:
         if value is not None and info.data.get("role") != "tool":
             raise ValueError("only tool messages carry a tool_call_id")
-        return unicode_text(value, "tool_call_id")
+        return value
 
     def template_dict(self) -> dict[str, Any]:
         """The message as chat templates expect it (plain dicts). Text parts are joined
