@@ -1,26 +1,35 @@
 """Full-iteration decode CUDA graphs.
 
-One graph per (padded batch size, sampler variant, row width) captures a whole decode
-step (width 1: plain decode; with speculative decoding also the widest verify rows, input
-token + K drafts, every position sampled and verified on the device):
-decode inputs gathered from the previous step's samples on the device -> forward through
-every layer kind (Mamba-2, attention, MLP, MoE) -> logits -> sampling (greedy graphs: the
-argmax straight from the LM head's output) -> samples written to the runner's fixed
-sample buffer. Every input lives at a fixed address (the step
-buffer's device views), so a replay only needs the step's one host-to-device copy.
+Two graphs per (padded batch size, row width) capture a whole decode step (width 1: plain
+decode; with speculative decoding also the widest verify rows, input token + K drafts,
+every position sampled and verified on the device), one per sampler variant (greedy,
+sampling): decode inputs gathered from the previous step's samples on the device ->
+forward through every layer kind (Mamba-2, attention, MLP, MoE) -> logits -> sampling
+(greedy graphs: the argmax straight from the LM head's output) -> samples written to the
+runner's fixed sample buffer. Every input lives at a fixed address (the step buffer's
+device views), so a replay only needs the step's one host-to-device copy.
+
+A third graph per (size, width) stops at the sampled rows' final hidden states: a decode
+step whose rows want penalties or logprobs (a sampler whose kernels and output width
+vary with the batch) replays it and runs only the LM head and the sampler eagerly, so
+that such requests decode at graph speed too.
 
 A decode batch is padded up to the next captured size; padding rows use Mamba slot -1,
 KV slot -1 and sequence length 0, so they never touch real state. Steps with prefill
-chunks, penalties or logprobs run eager (their shapes or sampler paths vary).
+chunks run eager (their shapes vary).
 """
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# What a graph captures: a whole step with either sampler, or the forward up to the sampled
+# rows' hidden states (steps with penalties or logprobs).
+GREEDY, SAMPLING, FORWARD = "greedy", "sampling", "forward"
 # Ops a decode step calls: graphs are captured only when every one runs its fast kernel
 # (sync-free; most of their reference ops are not).
 DECODE_OPS = ("add_rms_norm", "gated_rms_norm", "linear_conv_update", "linear_relu_square", "causal_conv1d_update",
@@ -35,46 +44,63 @@ class DecodeGraphs:
         sizes = [b for b in CAPTURE_SIZES if b < max_num_seqs] + [max_num_seqs]
         self.sizes = sorted(set(sizes))
         self.widths = sorted({1, max_width})
-        self._graphs: dict[tuple[int, bool, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (size, width, GREEDY / SAMPLING / FORWARD) -> the graph and its output tensor
+        self._graphs: dict[tuple[int, int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = dict.fromkeys(self.widths, 0)  # replays per row width (tests, benchmarks)
+        self.forward_replays = 0  # of which forward graphs (steps with penalties or logprobs)
 
-    def padded_size(self, num_decode: int, num_prefill: int, use_penalties: bool, num_logprobs: int) -> int | None:
+    def padded_size(self, num_decode: int, num_prefill: int) -> int | None:
         """The captured batch size a step pads to, or None if it must run eager."""
-        if num_prefill or use_penalties or num_logprobs >= 0:
+        if num_prefill:
             return None
         return next((b for b in self.sizes if b >= num_decode), None)
 
     @torch.inference_mode()
     def capture(self, runner) -> None:
-        """Capture every (size, greedy / sampling) graph of `runner`'s decode step into one
-        shared memory pool. (The runner is not kept: it holds these graphs, and a
+        """Capture every (size, width, greedy / sampling / forward) graph of `runner`'s decode
+        step into one shared memory pool. (The runner is not kept: it holds these graphs, and a
         reference back would make a cycle that only the garbage collector could free.)"""
         torch.cuda.synchronize()
         start, mem_before = time.perf_counter(), torch.cuda.memory_allocated()
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first: smaller graphs reuse its pool blocks
             for width in reversed(self.widths):
-                for all_greedy in (True, False):
-                    plan = runner.padding_plan(size, all_greedy, width)
+                for kind in (GREEDY, SAMPLING, FORWARD):
+                    plan = runner.padding_plan(size, kind != SAMPLING, width)
                     for _ in range(2):  # warm-up: Triton compiles and autotunes outside the capture
-                        runner.forward_sample(plan)
+                        self._step(runner, plan, kind)
                     torch.cuda.synchronize()
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
-                        out = runner.forward_sample(plan)
-                    self._graphs[(size, all_greedy, width)] = (graph, out)
+                        out = self._step(runner, plan, kind)
+                    self._graphs[(size, width, kind)] = (graph, out)
         torch.cuda.synchronize()
         logger.info("captured %d decode CUDA graphs (batch sizes %s, row widths %s) in %.1f s, %.1f MiB",
                     len(self._graphs), self.sizes, self.widths, time.perf_counter() - start, (torch.cuda.memory_allocated() - mem_before) / 2**20)
 
-    def replay(self, plan) -> torch.Tensor | None:
-        """Replay the graph captured for this (already padded) plan; None if there is none."""
-        if plan.num_prefill or plan.use_penalties or plan.num_logprobs >= 0:
+    @staticmethod
+    def _step(runner, plan, kind: str) -> torch.Tensor:
+        """The device work a graph of `kind` captures for `plan`."""
+        if kind == FORWARD:
+            return runner.forward_rows(plan, runner.forward_meta(plan))
+        return runner.forward_sample(plan)
+
+    def replay(self, plan, sample_rows: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+        """Run this (already padded) plan's step through its graphs: its packed samples, or
+        None if no graph fits (prefill chunks, a size not captured). A plan with penalties
+        or logprobs replays the forward graph and hands the sampled rows' hidden states to
+        `sample_rows` (`ModelRunner.sample_rows`, run eagerly)."""
+        if plan.num_prefill:
             return None
-        entry = self._graphs.get((plan.num_decode, plan.all_greedy, plan.decode_width))
+        eager_sampler = plan.use_penalties or plan.num_logprobs >= 0
+        kind = FORWARD if eager_sampler else GREEDY if plan.all_greedy else SAMPLING
+        entry = self._graphs.get((plan.num_decode, plan.decode_width, kind))
         if entry is None:
             return None
         graph, out = entry
         graph.replay()
         self.replays[plan.decode_width] += 1
+        if eager_sampler:
+            self.forward_replays += 1
+            return sample_rows(out)
         return out

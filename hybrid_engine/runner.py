@@ -244,7 +244,7 @@ class ModelRunner:
         if not prefills and width == 1:
             plan.decode_requests = [c.request for c in decodes]
         if self.graphs is not None:
-            size = self.graphs.padded_size(n_dec, plan.num_prefill, plan.use_penalties, plan.num_logprobs)
+            size = self.graphs.padded_size(n_dec, plan.num_prefill)
             if size is not None:
                 self._write_padding(plan, size)
         return plan
@@ -284,7 +284,7 @@ class ModelRunner:
             return None
         size = n
         if self.graphs is not None:
-            size = self.graphs.padded_size(n, 0, pp.use_penalties, pp.num_logprobs) or n
+            size = self.graphs.padded_size(n, 0) or n
         self.buffer.copy_rows_from(pp.host_index, size)  # graph padding rows included
         tokens, seqs = self.buffer.host_group("token_i64"), self.buffer.host_group("seq_i64")
         tokens[TOKEN.input_ids, :n] = 0  # every input comes from `prev` (the device fills it in)
@@ -509,8 +509,14 @@ class ModelRunner:
         """The device work of a step: inputs -> forward -> logits -> samples, packed as
         float64 [S, 1 (+ 2 (1+K) logprob columns)]. Sync-free with the fast kernels, so a
         decode step of this shape can be captured as one CUDA graph."""
-        d, nd, width = self.buffer.device, plan.num_decode, plan.decode_width
         meta = self.forward_meta(plan)
+        return self.sample_rows(plan, meta, self.forward_rows(plan, meta))
+
+    def forward_rows(self, plan: StepPlan, meta: ForwardMeta) -> torch.Tensor:
+        """Inputs -> forward -> the final hidden states of the rows the step samples
+        ([num_sampled, hidden]): the part of a step that does not depend on its sampler, which
+        a decode step's forward graph captures (`DecodeGraphs.replay`)."""
+        d, nd, width = self.buffer.device, plan.num_decode, plan.decode_width
         input_ids = d["input_ids"][: plan.num_tokens]
         if plan.num_from_prev:  # decode inputs still on the device: the previous step's samples
             rows = d["input_from_prev"][:nd]
@@ -521,11 +527,19 @@ class ModelRunner:
         logits_indices = meta.logits_indices
         if width > 1:  # every position of a verify row is sampled
             logits_indices = torch.cat((self._positions[: nd * width], logits_indices[nd:]))
+        return hidden[logits_indices]
+
+    def sample_rows(self, plan: StepPlan, meta: ForwardMeta, hidden: torch.Tensor) -> torch.Tensor:
+        """The sampled rows' hidden states -> logits -> samples (verified, for verify rows),
+        packed as `forward_sample` returns them; the step's inputs (penalties read them) are
+        the ones `forward_rows` fed."""
+        d, nd, width = self.buffer.device, plan.num_decode, plan.decode_width
+        input_ids = d["input_ids"][: plan.num_tokens]
         if plan.all_greedy and plan.num_logprobs < 0 and not plan.use_penalties:
             # `sample` would take the logits' argmax: one op from the LM head's output instead
-            out = SamplerOutput(sampled_token_ids=self.model.greedy_tokens(hidden[logits_indices]))
+            out = SamplerOutput(sampled_token_ids=self.model.greedy_tokens(hidden))
         else:
-            logits = self.model.compute_logits(hidden[logits_indices])
+            logits = self.model.compute_logits(hidden)
             out = sample(logits, self._sampling_tensors(plan, meta, input_ids), num_logprobs=plan.num_logprobs,
                          all_greedy=plan.all_greedy, use_penalties=plan.use_penalties)
         tokens = out.sampled_token_ids
@@ -560,7 +574,9 @@ class ModelRunner:
         """Run a prepared step (a graph replay when one fits); samples start copying to the host."""
         if plan.num_new_slots:
             self.mamba.zero_slots(self.buffer.device["new_state_slots"][: plan.num_new_slots])
-        packed = self.graphs.replay(plan) if self.graphs is not None else None
+        packed = None
+        if self.graphs is not None:
+            packed = self.graphs.replay(plan, lambda hidden: self.sample_rows(plan, self.forward_meta(plan), hidden))
         if packed is None:
             packed = self.forward_sample(plan)
         if self.follower:

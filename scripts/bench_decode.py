@@ -7,6 +7,7 @@ serial eager); `--count-kernels` also counts the CUDA kernels of one eager decod
     python scripts/bench_decode.py --model preset:granite-4.0-h-tiny --batches 1 32 128 --modes async+graphs
     python scripts/bench_decode.py --model preset:granite-4.0-h-tiny --batches 1 32 --count-kernels --modes
     python scripts/bench_decode.py --batches 32 128 --modes async+graphs --mamba-ssm-cache-dtype bfloat16
+    python scripts/bench_decode.py --batches 1 32 --modes async+graphs --logprobs 1 --repetition-penalty 1.1
 
 `--model peer` is a NemotronH config with the shapes of the Megatron-Core peer harness
 (../shared/peers/megatron): hidden 1024, pattern M*-M-M*-M-M*-M-M*-M-, relu2 MLP 4096,
@@ -28,6 +29,8 @@ and the KV read (mean context x KV bytes per token of the attention layers), plu
 `--mamba-ssm-cache-dtype` sets the SSM state pool's dtype (default "auto": float32 for the
 peer). Megatron-Core keeps its SSM states in the model dtype, bfloat16 in the peer harness:
 `bfloat16` here is the like-for-like setting against it.
+`--logprobs K` / `--repetition-penalty P`: every request also asks for K top logprobs / that
+penalty (decode steps then replay the forward graph and sample eagerly).
 `--count-kernels`: one eager decode step per batch (a separate serial, graphs-off LLM of the
 same model) under torch.profiler; CUDA kernels per step, per layer and per layer part
 (mamba / attention / mlp / moe mixers, the norms and residual adds between them, the work
@@ -83,10 +86,13 @@ def model_hf_config(model: str) -> dict:
     return read_config(model) if os.path.isdir(model) else get_preset(model.removeprefix("preset:"))
 
 
-def run_batch(llm: LLM, batch: int, prompt_len: int, output_len: int) -> dict:
-    """Generate `batch` requests; returns throughput and inter-token latencies."""
+def run_batch(llm: LLM, batch: int, prompt_len: int, output_len: int, logprobs: int | None = None,
+              repetition_penalty: float = 1.0) -> dict:
+    """Generate `batch` greedy requests (with `logprobs` / `repetition_penalty` if given);
+    returns throughput and inter-token latencies."""
     engine = llm.engine
-    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True, logprobs=logprobs,
+                            repetition_penalty=repetition_penalty)
     for i, prompt in enumerate(random_prompts(batch, prompt_len, engine.model_config.vocab_size)):
         engine.add_request(f"b{batch}-{i}", prompt, params)
     last_token_time: dict[str, float] = {}
@@ -164,9 +170,10 @@ def time_modes(args: argparse.Namespace, model: str, bandwidth: float) -> list[d
                   max_num_batched_tokens=args.max_num_batched_tokens, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
                   max_model_len=args.prompt_len + args.output_len + 64, **MODES[mode])
         for batch in args.batches:
-            run_batch(llm, batch, args.prompt_len, 4)  # warm-up: Triton compiles / autotunes per shape
-            runs = sorted((run_batch(llm, batch, args.prompt_len, args.output_len) for _ in range(args.repeats)),
-                          key=lambda x: x["tok_s"])
+            sampling = dict(logprobs=args.logprobs, repetition_penalty=args.repetition_penalty)
+            run_batch(llm, batch, args.prompt_len, 4, **sampling)  # warm-up: Triton compiles / autotunes per shape
+            runs = sorted((run_batch(llm, batch, args.prompt_len, args.output_len, **sampling)
+                           for _ in range(args.repeats)), key=lambda x: x["tok_s"])
             r = runs[len(runs) // 2]  # the median run (host jitter on shared machines moves single runs)
             if batch not in distinct:
                 distinct[batch] = measure_distinct_experts(llm, batch, args.prompt_len)
@@ -231,6 +238,10 @@ def main() -> None:
     ap.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=MAMBA_SSM_CACHE_DTYPES,
                     help="the SSM state pool's dtype (auto: the config's, else float32); Megatron-Core's "
                          "default is the model dtype (bfloat16 in its peer run)")
+    ap.add_argument("--logprobs", type=int, default=None,
+                    help="every request also returns this many top logprobs per token (default: none)")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0,
+                    help="every request's repetition penalty (default 1.0: none)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per row; the median run is reported")
     ap.add_argument("--hf-batch", type=int, default=0,
                     help="also time HF transformers generate at this batch (0: skip)")
@@ -247,7 +258,8 @@ def main() -> None:
         print(f"HF generate    B={args.hf_batch:4d} {r['tok_s']:9.0f} tok/s  mean step {r['itl_mean_ms']:.2f} ms", flush=True)
     if rows:
         print(f"\nmodel {args.model}, prompt {args.prompt_len}, output {args.output_len}, bf16, "
-              f"mamba_ssm_cache_dtype {rows[0].get('mamba_ssm_cache_dtype', args.mamba_ssm_cache_dtype)}"
+              f"mamba_ssm_cache_dtype {rows[0].get('mamba_ssm_cache_dtype', args.mamba_ssm_cache_dtype)}, "
+              f"logprobs {args.logprobs}, repetition penalty {args.repetition_penalty}"
               + (f", copy bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth else ""))
         print_table(rows)
     if args.count_kernels:

@@ -1,4 +1,6 @@
 """Decode CUDA graphs: same tokens as eager, with and without launch-ahead (GPU only)."""
+import math
+
 import pytest
 
 from hybrid_engine import LLM, SamplingParams
@@ -34,8 +36,8 @@ def test_graphs_are_captured_and_replayed():
     replays = []
     original = graphs.replay
 
-    def recording_replay(plan):
-        out = original(plan)
+    def recording_replay(plan, sample_rows):
+        out = original(plan, sample_rows)
         if out is not None:
             replays.append(plan.num_decode)
         return out
@@ -43,6 +45,7 @@ def test_graphs_are_captured_and_replayed():
     graphs.replay = recording_replay
     llm.generate(_prompts(5), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
     assert len(replays) >= 6 and set(replays) == {8}  # 5 decoders padded to the size-8 graph
+    assert graphs.forward_replays == 0  # no row wants penalties or logprobs
 
 
 def test_graphs_on_equals_off_fp32():
@@ -63,3 +66,37 @@ def test_bf16_graphs_equal_eager():
     on = _run(32, 256, dtype="bfloat16")
     off = _run(32, 256, dtype="bfloat16", cuda_graphs=False)
     assert_same_tokens(on, off)
+
+
+def _eager_sampler_params(i: int) -> SamplingParams:
+    """Greedy and seeded rows, some with logprobs, a repetition or a frequency penalty."""
+    return SamplingParams(max_tokens=32, temperature=0.8 if i % 2 else 0.0, seed=i, ignore_eos=True,
+                          logprobs=2 if i % 3 == 0 else None, repetition_penalty=1.3 if i % 4 == 1 else 1.0,
+                          frequency_penalty=0.5 if i % 4 == 2 else 0.0)
+
+
+@pytest.mark.parametrize("batch", [5, 12])
+def test_penalties_and_logprobs_decode_through_the_forward_graph(batch):
+    """Steps whose rows want penalties or logprobs replay the forward graph and run the LM
+    head and sampler eagerly: tokens and logprobs equal the eager engine's, serially and
+    under launch-ahead with injected rejections (fp32)."""
+    params = [_eager_sampler_params(i) for i in range(batch)]
+
+    def run(**kwargs):
+        llm = LLM(max_num_seqs=16, dtype="float32", **kwargs)
+        return llm, llm.generate(_prompts(batch), params, use_tqdm=False)
+
+    _, eager = run(cuda_graphs=False)
+    for kwargs in ({"async_scheduling": False}, {"inject_rejection_rate": 0.3}):
+        llm, graphed = run(**kwargs)
+        graphs = llm.engine.runner.graphs
+        assert graphs.forward_replays >= 20, graphs.forward_replays  # (31 decode steps per request)
+        assert_same_tokens([o.output_token_ids for o in graphed], [o.output_token_ids for o in eager])
+        for i, (got, expected) in enumerate(zip(graphed, eager)):
+            if params[i].logprobs is None:
+                assert got.logprobs is None
+                continue
+            assert len(got.logprobs) == len(expected.logprobs) == 32
+            for a, b in zip(got.logprobs, expected.logprobs):
+                assert a.keys() == b.keys(), (i, a, b)
+                assert all(math.isclose(a[t], b[t], rel_tol=0, abs_tol=1e-5) for t in a), (i, a, b)

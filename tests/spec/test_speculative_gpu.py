@@ -36,6 +36,7 @@ def test_verify_steps_run_as_graphs_and_change_nothing(proposer):
     assert stats["spec_proposed_tokens"] > 0, stats
     graphs = engine.runner.graphs
     assert graphs is not None and graphs.replays[engine.runner.max_width] > 0, graphs.replays
+    assert graphs.forward_replays > 0  # the logprobs request's verify steps sample eagerly
     if proposer == "oracle":
         assert stats["spec_accepted_tokens"] >= 0.9 * stats["spec_proposed_tokens"], stats
 
