@@ -47,7 +47,7 @@ class DecodeGraphs:
         # (size, width, GREEDY / SAMPLING / FORWARD) -> the graph and its output tensor
         self._graphs: dict[tuple[int, int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = dict.fromkeys(self.widths, 0)  # replays per row width (tests, benchmarks)
-        self.forward_replays = 0  # of which forward graphs (steps with penalties or logprobs)
+        self.forward_replays = dict.fromkeys(self.widths, 0)  # of which forward graphs (penalties, logprobs)
 
     def padded_size(self, num_decode: int, num_prefill: int) -> int | None:
         """The captured batch size a step pads to, or None if it must run eager."""
@@ -85,11 +85,11 @@ class DecodeGraphs:
             return runner.forward_rows(plan, runner.forward_meta(plan))
         return runner.forward_sample(plan)
 
-    def replay(self, plan, sample_rows: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+    def replay(self, plan, sampler: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
         """Run this (already padded) plan's step through its graphs: its packed samples, or
         None if no graph fits (prefill chunks, a size not captured). A plan with penalties
         or logprobs replays the forward graph and hands the sampled rows' hidden states to
-        `sample_rows` (`ModelRunner.sample_rows`, run eagerly)."""
+        `sampler` (the runner's `sample_rows` for this plan, run eagerly)."""
         if plan.num_prefill:
             return None
         eager_sampler = plan.use_penalties or plan.num_logprobs >= 0
@@ -101,6 +101,6 @@ class DecodeGraphs:
         graph.replay()
         self.replays[plan.decode_width] += 1
         if eager_sampler:
-            self.forward_replays += 1
-            return sample_rows(out)
+            self.forward_replays[plan.decode_width] += 1
+            return sampler(out)
         return out

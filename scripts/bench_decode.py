@@ -29,8 +29,9 @@ and the KV read (mean context x KV bytes per token of the attention layers), plu
 `--mamba-ssm-cache-dtype` sets the SSM state pool's dtype (default "auto": float32 for the
 peer). Megatron-Core keeps its SSM states in the model dtype, bfloat16 in the peer harness:
 `bfloat16` here is the like-for-like setting against it.
-`--logprobs K` / `--repetition-penalty P`: every request also asks for K top logprobs / that
-penalty (decode steps then replay the forward graph and sample eagerly).
+`--logprobs K` / `--repetition-penalty P`: every timed request also asks for K top logprobs /
+that penalty (decode steps then replay the forward graph and sample eagerly); the probe's
+columns (GPU idle, host time per phase), the floors and the expert count stay greedy.
 `--count-kernels`: one eager decode step per batch (a separate serial, graphs-off LLM of the
 same model) under torch.profiler; CUDA kernels per step, per layer and per layer part
 (mamba / attention / mlp / moe mixers, the norms and residual adds between them, the work

@@ -2,6 +2,7 @@
 import math
 
 import pytest
+import torch
 
 from hybrid_engine import LLM, SamplingParams
 
@@ -36,8 +37,8 @@ def test_graphs_are_captured_and_replayed():
     replays = []
     original = graphs.replay
 
-    def recording_replay(plan, sample_rows):
-        out = original(plan, sample_rows)
+    def recording_replay(plan, sampler):
+        out = original(plan, sampler)
         if out is not None:
             replays.append(plan.num_decode)
         return out
@@ -45,7 +46,7 @@ def test_graphs_are_captured_and_replayed():
     graphs.replay = recording_replay
     llm.generate(_prompts(5), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
     assert len(replays) >= 6 and set(replays) == {8}  # 5 decoders padded to the size-8 graph
-    assert graphs.forward_replays == 0  # no row wants penalties or logprobs
+    assert graphs.forward_replays == {1: 0}  # no row wants penalties or logprobs
 
 
 def test_graphs_on_equals_off_fp32():
@@ -69,9 +70,10 @@ def test_bf16_graphs_equal_eager():
 
 
 def _eager_sampler_params(i: int) -> SamplingParams:
-    """Greedy and seeded rows, some with logprobs, a repetition or a frequency penalty."""
+    """Greedy and seeded rows, some with logprobs, a repetition or a frequency penalty (the
+    first request, which takes token-history row 0 that padding rows also use, has one)."""
     return SamplingParams(max_tokens=32, temperature=0.8 if i % 2 else 0.0, seed=i, ignore_eos=True,
-                          logprobs=2 if i % 3 == 0 else None, repetition_penalty=1.3 if i % 4 == 1 else 1.0,
+                          logprobs=2 if i % 3 == 0 else None, repetition_penalty=1.3 if i % 4 in (0, 1) else 1.0,
                           frequency_penalty=0.5 if i % 4 == 2 else 0.0)
 
 
@@ -79,7 +81,8 @@ def _eager_sampler_params(i: int) -> SamplingParams:
 def test_penalties_and_logprobs_decode_through_the_forward_graph(batch):
     """Steps whose rows want penalties or logprobs replay the forward graph and run the LM
     head and sampler eagerly: tokens and logprobs equal the eager engine's, serially and
-    under launch-ahead with injected rejections (fp32)."""
+    under launch-ahead with injected rejections (fp32), and padding rows leave every
+    request's token history (what penalties read) as it was fed."""
     params = [_eager_sampler_params(i) for i in range(batch)]
 
     def run(**kwargs):
@@ -89,8 +92,12 @@ def test_penalties_and_logprobs_decode_through_the_forward_graph(batch):
     _, eager = run(cuda_graphs=False)
     for kwargs in ({"async_scheduling": False}, {"inject_rejection_rate": 0.3}):
         llm, graphed = run(**kwargs)
-        graphs = llm.engine.runner.graphs
-        assert graphs.forward_replays >= 20, graphs.forward_replays  # (31 decode steps per request)
+        runner = llm.engine.runner
+        assert runner.graphs.forward_replays[1] >= 20, runner.graphs.forward_replays  # (31 decode steps each)
+        history = runner._history.cpu()
+        for prompt, out in zip(_prompts(batch), graphed):
+            fed = torch.tensor(prompt + out.output_token_ids[:-1])
+            assert any(torch.equal(history[row, :len(fed)], fed) for row in range(batch)), prompt
         assert_same_tokens([o.output_token_ids for o in graphed], [o.output_token_ids for o in eager])
         for i, (got, expected) in enumerate(zip(graphed, eager)):
             if params[i].logprobs is None:

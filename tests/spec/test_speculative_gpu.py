@@ -22,7 +22,8 @@ def _run(workload, **kw):
 
 @pytest.mark.parametrize("proposer", ["oracle", "partial", "ngram"])
 def test_verify_steps_run_as_graphs_and_change_nothing(proposer):
-    workload = _workload(8, max_tokens=40) + [("lp", [3, 4, 5] * 6, _params(1, max_tokens=20, logprobs=2))]
+    workload = _workload(8, max_tokens=40) + [("lp", [3, 4, 5] * 6, _params(1, max_tokens=20, logprobs=2)),
+                                              ("pen", [6, 7, 8] * 6, _params(2, max_tokens=20, repetition_penalty=1.3))]
     expected, _ = _run(workload)
     truth = {rid: p + expected[rid].output_token_ids for rid, p, _ in workload}
     spec = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -32,11 +33,14 @@ def test_verify_steps_run_as_graphs_and_change_nothing(proposer):
     finals, engine = _run(workload, speculative_config=spec)
     for rid, out in expected.items():
         assert finals[rid].output_token_ids == out.output_token_ids, rid
+    for a, b in zip(finals["lp"].logprobs, expected["lp"].logprobs):
+        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) <= 1e-5 for t in a), (a, b)
     stats = engine.stats()
     assert stats["spec_proposed_tokens"] > 0, stats
     graphs = engine.runner.graphs
     assert graphs is not None and graphs.replays[engine.runner.max_width] > 0, graphs.replays
-    assert graphs.forward_replays > 0  # the logprobs request's verify steps sample eagerly
+    # the verify steps of the logprobs and penalty requests sample eagerly after a forward graph
+    assert graphs.forward_replays[engine.runner.max_width] > 0, graphs.forward_replays
     if proposer == "oracle":
         assert stats["spec_accepted_tokens"] >= 0.9 * stats["spec_proposed_tokens"], stats
 
