@@ -4,8 +4,9 @@
 Sends `--num-requests` streamed completions with random token-id prompts of exactly
 `--prompt-len` tokens and exactly `--output-len` generated tokens (ignore_eos), at most
 `--concurrency` at once, arriving as a Poisson process of `--request-rate` per second
-(inf: all at once). Reports request throughput, output tokens/s, time to first token
-and inter-token latency (gaps between streamed chunks) percentiles.
+(inf: all at once), after `--warmup-requests` untimed ones. Reports request throughput,
+output tokens/s, time to first token and inter-token latency (gaps between streamed
+chunks) percentiles.
 
     python scripts/serve_hybrid.py --port 8000 &
     python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --concurrency 16 --num-requests 200
@@ -86,6 +87,9 @@ async def run(args: argparse.Namespace) -> tuple[list[Result], float, str]:
             async with gate:
                 return await one_request(client, model, prompt, args.output_len)
 
+        # Untimed: the server's first requests compile and autotune kernels for new shapes.
+        await asyncio.gather(*(gated([rng.choice(PROMPT_IDS) for _ in range(args.prompt_len)])
+                               for _ in range(args.warmup_requests)))
         tasks = []
         start = time.perf_counter()
         for _ in range(args.num_requests):
@@ -130,9 +134,13 @@ def main() -> None:
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens")
     p.add_argument("--output-len", type=int, default=32, help="generated tokens")
+    p.add_argument("--warmup-requests", type=int, default=None,
+                   help="untimed requests of the same shape sent first, all at once (default: --concurrency)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     args = p.parse_args()
+    if args.warmup_requests is None:
+        args.warmup_requests = args.concurrency
     if min(args.concurrency, args.num_requests, args.prompt_len, args.output_len) < 1 or args.request_rate <= 0:
         p.error("--concurrency, --num-requests, --prompt-len, --output-len and --request-rate must be positive")
     print(report(args, *asyncio.run(run(args))))

@@ -136,17 +136,25 @@ class Generation:
         self._unfinished = set(request_ids)
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Yield (prompt index, output) as the engine thread delivers them."""
+        """Yield (prompt index, output) as the engine thread delivers them; a request's
+        outputs that queued up while the consumer was busy come as one (`_merge_queued`)."""
         while self._unfinished:
-            item = await self._outputs.get()
-            if isinstance(item, RequestFailed):
-                self._unfinished.discard(item.request_id)
-                raise item
-            if item.finished:
-                self._unfinished.discard(item.request_id)
-                if item.finish_reason == "error":
-                    raise RequestFailed(item.request_id, item.error or "the engine failed this request")
-            yield self._index[item.request_id], item
+            items = [await self._outputs.get()]
+            while not self._outputs.empty():
+                items.append(self._outputs.get_nowait())
+            for item in _merge_queued(items):
+                yield self._index[item.request_id], self._account(item)
+
+    def _account(self, item: RequestOutput | RequestFailed) -> RequestOutput:
+        """Note which requests finished; a failed one raises `RequestFailed`."""
+        if isinstance(item, RequestFailed):
+            self._unfinished.discard(item.request_id)
+            raise item
+        if item.finished:
+            self._unfinished.discard(item.request_id)
+            if item.finish_reason == "error":
+                raise RequestFailed(item.request_id, item.error or "the engine failed this request")
+        return item
 
     def close(self) -> None:
         """Abort the requests that have not finished (they free their blocks and slot)."""
@@ -476,6 +484,27 @@ class AsyncLLM:
             logger.exception("aborting in-flight requests at shutdown failed")
         self._fail_all(engine, "the server is shutting down")  # whatever the last step did not end
         engine.shutdown()  # tensor-parallel workers stop with the engine thread
+
+
+def _merge_queued(items: list[RequestOutput | RequestFailed]) -> list[RequestOutput | RequestFailed]:
+    """Items of one consumer's queue, each request's outputs folded into its latest one
+    (`RequestOutput.merge_earlier`), in the order each request first appears. When the
+    event loop falls behind the engine (many streams, a fast model), this turns a backlog
+    of per-step chunks into one chunk per request instead of deepening it, as vLLM's
+    output collector does."""
+    merged: list[RequestOutput | RequestFailed] = []
+    position: dict[str, int] = {}
+    for item in items:
+        at = position.get(item.request_id)
+        if at is None:
+            position[item.request_id] = len(merged)
+            merged.append(item)
+            continue
+        earlier = merged[at]
+        if isinstance(item, RequestOutput) and isinstance(earlier, RequestOutput):
+            item.merge_earlier(earlier)
+        merged[at] = item
+    return merged
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:

@@ -75,9 +75,16 @@ def usage(finals: list[RequestOutput]) -> UsageInfo:
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
+# Characters JSON may leave raw in a string that many line readers end a line at (Python's
+# str.splitlines, and so httpx's `aiter_lines` and requests' `iter_lines`): written as
+# \u escapes, so that an SSE event stays one line for every client (the JSON is the same).
+_LINE_BREAKS_IN_JSON = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse(payload: BaseModel | dict) -> str:
+    """One server-sent event carrying `payload` as JSON on its one data line."""
     data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
-    return f"data: {data}\n\n"
+    return f"data: {data.translate(_LINE_BREAKS_IN_JSON)}\n\n"
 
 
 class TokenizerThread:
