@@ -4,7 +4,9 @@
 Sends `--num-requests` streamed completions with random token-id prompts of exactly
 `--prompt-len` tokens and exactly `--output-len` generated tokens (ignore_eos), at most
 `--concurrency` at once, arriving as a Poisson process of `--request-rate` per second
-(inf: all at once), after `--warmup-requests` untimed ones. Reports request throughput,
+(inf: all at once), after `--warmup-requests` untimed ones, from `--client-processes`
+processes (one Python client saturates its core at ~5-10k streamed chunks/s, so the
+default is one per 32 concurrent streams). Reports request throughput,
 output tokens/s, time to first token and inter-token latency (gaps between streamed
 chunks) percentiles.
 
@@ -13,7 +15,10 @@ chunks) percentiles.
 """
 import argparse
 import asyncio
+import concurrent.futures
 import json
+import math
+import multiprocessing
 import random
 import statistics
 import time
@@ -75,13 +80,37 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
-async def run(args: argparse.Namespace) -> tuple[list[Result], float, str]:
-    """Fire the workload; returns (results, wall seconds, model name)."""
-    rng = random.Random(args.seed)
-    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+@dataclass(frozen=True)
+class Share:
+    """The part of the workload one client process sends."""
+
+    concurrency: int
+    num_requests: int
+    request_rate: float
+    warmup_requests: int
+    seed: int
+
+
+def shares(args: argparse.Namespace) -> list[Share]:
+    """The timed workload split over `--client-processes` (concurrency, requests and rate
+    divided as evenly as they go; the warm-up is the parent's, before the split)."""
+    n = args.client_processes
+
+    def part(total: int, i: int) -> int:
+        return total // n + (i < total % n)
+
+    return [Share(part(args.concurrency, i), part(args.num_requests, i), args.request_rate / n, 0, args.seed + 1 + i)
+            for i in range(n)]
+
+
+async def run(args: argparse.Namespace, share: Share) -> tuple[list[Result], float, str]:
+    """Fire one share of the workload after its warm-up; returns (results, wall seconds of
+    the timed part, model name)."""
+    rng = random.Random(share.seed)
+    limits = httpx.Limits(max_connections=share.concurrency, max_keepalive_connections=share.concurrency)
     async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout, limits=limits) as client:
         model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
-        gate = asyncio.Semaphore(args.concurrency)
+        gate = asyncio.Semaphore(share.concurrency)
 
         async def gated(prompt: list[int]) -> Result:
             async with gate:
@@ -89,16 +118,37 @@ async def run(args: argparse.Namespace) -> tuple[list[Result], float, str]:
 
         # Untimed: the server's first requests compile and autotune kernels for new shapes.
         await asyncio.gather(*(gated([rng.choice(PROMPT_IDS) for _ in range(args.prompt_len)])
-                               for _ in range(args.warmup_requests)))
+                               for _ in range(share.warmup_requests)))
         tasks = []
         start = time.perf_counter()
-        for _ in range(args.num_requests):
+        for _ in range(share.num_requests):
             prompt = [rng.choice(PROMPT_IDS) for _ in range(args.prompt_len)]
             tasks.append(asyncio.create_task(gated(prompt)))
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
+            if share.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(share.request_rate))
         results = await asyncio.gather(*tasks)
         return results, time.perf_counter() - start, model
+
+
+def run_share(args: argparse.Namespace, share: Share) -> tuple[list[Result], float, str]:
+    """`run` in a client process of its own."""
+    return asyncio.run(run(args, share))
+
+
+def run_all(args: argparse.Namespace) -> tuple[list[Result], float, str]:
+    """The warm-up, then the timed workload over `--client-processes` processes (one
+    Python client streams only ~5-10k chunks/s: at high concurrency a single one measures
+    itself, not the server). Wall time: from the first share's start to the last one's end."""
+    warmup = Share(args.concurrency, 0, args.request_rate, args.warmup_requests, args.seed)
+    _, _, model = asyncio.run(run(args, warmup))
+    if args.client_processes == 1:
+        return asyncio.run(run(args, shares(args)[0]))
+    context = multiprocessing.get_context("fork")  # the parent's imports come along: no start-up cost
+    with concurrent.futures.ProcessPoolExecutor(args.client_processes, mp_context=context) as pool:
+        start = time.perf_counter()
+        parts = list(pool.map(run_share, [args] * args.client_processes, shares(args)))
+        wall = time.perf_counter() - start
+    return [r for results, _, _ in parts for r in results], wall, model
 
 
 def report(args: argparse.Namespace, results: list[Result], wall: float, model: str) -> str:
@@ -110,7 +160,8 @@ def report(args: argparse.Namespace, results: list[Result], wall: float, model: 
     output_tokens = sum(r.output_tokens for r in ok)
     lines = [
         f"model {model} at {args.base_url}: {args.num_requests} requests, prompt {args.prompt_len} / output "
-        f"{args.output_len} tokens, concurrency {args.concurrency}, request rate {args.request_rate}/s",
+        f"{args.output_len} tokens, concurrency {args.concurrency}, request rate {args.request_rate}/s, "
+        f"{args.client_processes} client process(es)",
         f"{'successful requests':<28}{len(ok)} (failed {len(results) - len(ok)})",
         f"{'duration (s)':<28}{wall:.2f}",
         f"{'request throughput (req/s)':<28}{len(ok) / wall:.2f}",
@@ -134,6 +185,9 @@ def main() -> None:
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens")
     p.add_argument("--output-len", type=int, default=32, help="generated tokens")
+    p.add_argument("--client-processes", type=int, default=None,
+                   help="client processes the timed requests are split over (default: one per 32 of "
+                        "--concurrency)")
     p.add_argument("--warmup-requests", type=int, default=None,
                    help="untimed requests of the same shape sent first, all at once (default: --concurrency)")
     p.add_argument("--seed", type=int, default=0)
@@ -141,9 +195,15 @@ def main() -> None:
     args = p.parse_args()
     if args.warmup_requests is None:
         args.warmup_requests = args.concurrency
-    if min(args.concurrency, args.num_requests, args.prompt_len, args.output_len) < 1 or args.request_rate <= 0:
-        p.error("--concurrency, --num-requests, --prompt-len, --output-len and --request-rate must be positive")
-    print(report(args, *asyncio.run(run(args))))
+    if args.client_processes is None:
+        args.client_processes = math.ceil(args.concurrency / 32)
+    if min(args.concurrency, args.num_requests, args.prompt_len, args.output_len, args.client_processes) < 1 \
+            or args.request_rate <= 0 or args.warmup_requests < 0:
+        p.error("--concurrency, --num-requests, --prompt-len, --output-len, --client-processes and --request-rate "
+                "must be positive, --warmup-requests not negative")
+    if args.client_processes > min(args.concurrency, args.num_requests):
+        p.error("--client-processes must not exceed --concurrency or --num-requests")
+    print(report(args, *run_all(args)))
 
 
 if __name__ == "__main__":
