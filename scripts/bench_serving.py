@@ -135,6 +135,10 @@ def run_share(args: argparse.Namespace, share: Share) -> tuple[list[Result], flo
     return asyncio.run(run(args, share))
 
 
+def _started() -> None:
+    """A no-op each client process runs before the clock starts (so its start-up is not timed)."""
+
+
 def run_all(args: argparse.Namespace) -> tuple[list[Result], float, str]:
     """The warm-up, then the timed workload over `--client-processes` processes (one
     Python client streams only ~5-10k chunks/s: at high concurrency a single one measures
@@ -143,8 +147,11 @@ def run_all(args: argparse.Namespace) -> tuple[list[Result], float, str]:
     _, _, model = asyncio.run(run(args, warmup))
     if args.client_processes == 1:
         return asyncio.run(run(args, shares(args)[0]))
-    context = multiprocessing.get_context("fork")  # the parent's imports come along: no start-up cost
+    # spawn, not fork: the parent may hold threads (asyncio's resolver, a test's server)
+    context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(args.client_processes, mp_context=context) as pool:
+        for future in [pool.submit(_started) for _ in range(args.client_processes)]:
+            future.result()
         start = time.perf_counter()
         parts = list(pool.map(run_share, [args] * args.client_processes, shares(args)))
         wall = time.perf_counter() - start
