@@ -25,6 +25,7 @@ __all__ = [
     "SamplerOutput",
     "sample",
     "apply_penalties",
+    "top_logprobs",
     "filtered_logits",
     "filtered_probs",
     "uniform_noise",
@@ -251,13 +252,33 @@ def filtered_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tenso
 # --- Sampling ----------------------------------------------------------------------
 
 
+def top_logprobs(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest entries of each row of float32 ``logprobs`` and their token ids,
+    largest first, equal values in ascending token id.
+
+    ``torch.topk`` leaves the order of equal values to its kernel, which changes with
+    ``k`` and the shape; since a step computes the most logprobs any of its rows asked
+    for and each request keeps its own first n, a request's top-n would then depend on
+    the other requests in its batch (ties are common among logits rounded to bfloat16).
+    Here the first n of the top-k are the top-n for every k >= n, on every device: the
+    selection runs on int64 keys, the value's float32 bits mapped to an order-preserving
+    integer in the high half and the complement of the token id in the low half.
+    """
+    bits = logprobs.view(torch.int32)
+    # Negative floats order backwards as integers: flip every bit but the sign.
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    ids = torch.arange(logprobs.shape[-1], device=logprobs.device, dtype=torch.int64)
+    top_ids = (ordered * (1 << 32) - ids).topk(k, dim=-1).indices
+    return logprobs.gather(1, top_ids), top_ids
+
+
 def _gather_logprobs(
     raw_logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs of the raw logits: sampled token first, then the top ``num_logprobs``."""
     logprobs = raw_logits.log_softmax(dim=-1)
     sampled = logprobs.gather(1, token_ids[:, None])
-    top_values, top_ids = logprobs.topk(num_logprobs, dim=-1)
+    top_values, top_ids = top_logprobs(logprobs, num_logprobs)
     return torch.cat((sampled, top_values), dim=1), torch.cat((token_ids[:, None], top_ids), dim=1)
 
 

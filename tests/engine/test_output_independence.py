@@ -1,8 +1,10 @@
 """Invariant 1 under memory pressure: with staggered arrivals, pauses and evictions, every
 request gets exactly the tokens of its solo run; invariant 4: one final output each, and
-every KV block / Mamba slot is back after draining."""
+every KV block / Mamba slot is back after draining. Also: top logprobs that do not depend
+on the batch."""
 import pytest
 
+from hybrid_engine import SamplingParams
 from tests.engine.engine_helpers import assert_drained, assert_mode_ran, byte_prompt, drive, greedy, seeded
 
 MODES = pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "async"])
@@ -137,3 +139,21 @@ def test_stop_token_and_abort_under_pressure(make_llm, solo, async_scheduling):
     assert llm.engine.stats()["pauses"] > 0
     assert_mode_ran(llm.engine)
     assert_drained(llm.engine)
+
+
+def test_top_logprobs_do_not_depend_on_the_batch(make_llm):
+    """A request's top-n logprobs (ids and order) are the same alone and beside a request
+    that asks for 20: bfloat16 logits tie often, and a step computes the most logprobs any
+    row wants (with torch.topk's own tie order, 4 of these 6 requests differed)."""
+    llm = make_llm(dtype="bfloat16", max_num_seqs=4)
+    prompts = [[(7 * i + 3 * j) % 200 + 30 for j in range(12 + i)] for i in range(6)]
+    few = SamplingParams(max_tokens=32, temperature=0, logprobs=3, ignore_eos=True)
+    many = SamplingParams(max_tokens=32, temperature=0, logprobs=20, ignore_eos=True)
+    ties = 0
+    for i, prompt in enumerate(prompts):
+        alone = llm.generate([prompt], [few], use_tqdm=False)[0]
+        batched = llm.generate([prompt, prompts[(i + 1) % 6]], [few, many], use_tqdm=False)[0]
+        assert batched.output_token_ids == alone.output_token_ids
+        assert [list(d.items()) for d in batched.logprobs] == [list(d.items()) for d in alone.logprobs], i
+        ties += sum(len(set(d.values())) < len(d) for d in alone.logprobs)
+    assert ties > 0  # the workload has the ties that exposed the dependence

@@ -403,6 +403,25 @@ def test_logprobs_are_raw_log_softmax(k: int) -> None:
     assert torch.equal(out.logprob_token_ids[:, 1:], top.indices)
 
 
+def test_top_logprobs_order_ties_by_token_id_for_every_k() -> None:
+    """Equal logprobs come in ascending token id, so a row's top-n is the first n of its
+    top-k for any k >= n and does not change with the other rows of the batch (a step
+    computes the most logprobs any row asked for; torch.topk orders ties as its kernel
+    happens to). Float16 logits of a small range tie often, as bfloat16 ones do."""
+    torch.manual_seed(3)
+    logits = (torch.randn(6, 300) * 4).round().to(torch.float16)  # many equal values per row
+    raw = logits.float().log_softmax(dim=-1)
+    by_value_then_id = [sorted(range(300), key=lambda t, r=r: (-raw[r, t].item(), t)) for r in range(6)]
+    for k in (1, 3, 8, 20):
+        for rows in (slice(0, 6), slice(2, 3), slice(1, 5)):
+            out = sample(logits[rows], make_params(len(range(6)[rows])), num_logprobs=k, all_greedy=True)
+            for i, r in enumerate(range(6)[rows]):
+                assert out.logprob_token_ids[i, 1:].tolist() == by_value_then_id[r][:k], (k, r)
+                assert out.logprobs[i, 1:].tolist() == raw[r, by_value_then_id[r][:k]].tolist()
+    assert any(raw[r, a] == raw[r, b] for r in range(6) for a, b in zip(by_value_then_id[r][:20],
+                                                                        by_value_then_id[r][1:20]))
+
+
 def test_no_logprobs_by_default() -> None:
     out = sample(torch.randn(2, 8), make_params(2))
     assert out.logprobs is None and out.logprob_token_ids is None
