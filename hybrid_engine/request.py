@@ -64,13 +64,14 @@ class RequestOutput:
             return None
         return "".join(self._text_parts[: self._num_text_parts]) + self._text_tail
 
-    def merge_earlier(self, earlier: "RequestOutput") -> None:
-        """Fold an earlier output of the same request that nobody consumed into this later
-        one: `new_token_ids` and `new_text` then cover both steps (the cumulative fields are
-        this output's already), so a streaming consumer that fell behind catches up in one
-        chunk."""
-        self.new_token_ids = earlier.new_token_ids + self.new_token_ids
-        self.new_text = earlier.new_text + self.new_text
+    def merge_earlier(self, earlier: list["RequestOutput"]) -> None:
+        """Fold earlier outputs of the same request (oldest first) that nobody consumed into
+        this later one: `new_token_ids` and `new_text` then cover all their steps (the
+        cumulative fields are this output's already), so a streaming consumer that fell
+        behind catches up in one chunk."""
+        outputs = [*earlier, self]
+        self.new_token_ids = [token for out in outputs for token in out.new_token_ids]
+        self.new_text = "".join(out.new_text for out in outputs)
 
     def __repr__(self) -> str:
         return (f"RequestOutput(request_id={self.request_id!r}, output_token_ids={self.output_token_ids!r}, "

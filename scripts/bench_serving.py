@@ -7,21 +7,22 @@ Sends `--num-requests` streamed completions with random token-id prompts of exac
 (inf: all at once), after `--warmup-requests` untimed ones, from `--client-processes`
 processes (one Python client saturates its core at ~5-10k streamed chunks/s, so the
 default is one per 32 concurrent streams). Reports request throughput,
-output tokens/s, time to first token and inter-token latency (gaps between streamed
-chunks) percentiles.
+output tokens/s, time to first token, the gaps between streamed chunks (ITL; a chunk holds
+several tokens when the server fell behind and merged them) percentiles, and the mean time
+per output token after the first (TPOT).
 
     python scripts/serve_hybrid.py --port 8000 &
     python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --concurrency 16 --num-requests 200
 """
 import argparse
 import asyncio
-import concurrent.futures
 import json
 import math
 import multiprocessing
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -29,6 +30,8 @@ import httpx
 # Token ids drawn for prompts: printable ASCII for the embedded byte tokenizer, and
 # ordinary (non-special) ids for real vocabularies.
 PROMPT_IDS = range(32, 127)
+# How long a client process waits for the others to be ready (start-up, imports).
+BARRIER_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -103,9 +106,20 @@ def shares(args: argparse.Namespace) -> list[Share]:
             for i in range(n)]
 
 
-async def run(args: argparse.Namespace, share: Share) -> tuple[list[Result], float, str]:
-    """Fire one share of the workload after its warm-up; returns (results, wall seconds of
-    the timed part, model name)."""
+@dataclass
+class Timed:
+    """One share's results and the `time.perf_counter()` stamps of its timed part (one
+    clock for every process of the machine, so shares' stamps compare)."""
+
+    results: list[Result]
+    start: float
+    end: float
+    model: str
+
+
+async def run(args: argparse.Namespace, share: Share, ready: Callable[[], object] | None = None) -> Timed:
+    """Fire one share of the workload after its warm-up; `ready` (blocking) is called with
+    the client set up, right before the clock starts."""
     rng = random.Random(share.seed)
     limits = httpx.Limits(max_connections=share.concurrency, max_keepalive_connections=share.concurrency)
     async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout, limits=limits) as client:
@@ -119,6 +133,8 @@ async def run(args: argparse.Namespace, share: Share) -> tuple[list[Result], flo
         # Untimed: the server's first requests compile and autotune kernels for new shapes.
         await asyncio.gather(*(gated([rng.choice(PROMPT_IDS) for _ in range(args.prompt_len)])
                                for _ in range(share.warmup_requests)))
+        if ready is not None:
+            await asyncio.to_thread(ready)
         tasks = []
         start = time.perf_counter()
         for _ in range(share.num_requests):
@@ -127,16 +143,19 @@ async def run(args: argparse.Namespace, share: Share) -> tuple[list[Result], flo
             if share.request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(share.request_rate))
         results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - start, model
+        return Timed(results, start, time.perf_counter(), model)
 
 
-def run_share(args: argparse.Namespace, share: Share) -> tuple[list[Result], float, str]:
-    """`run` in a client process of its own."""
-    return asyncio.run(run(args, share))
-
-
-def _started() -> None:
-    """A no-op each client process runs before the clock starts (so its start-up is not timed)."""
+def client_process(args: argparse.Namespace, share: Share, barrier, out: multiprocessing.Queue) -> None:
+    """A client process: its share, started together with the others' (`barrier`), its
+    `Timed` put on `out`; a failure is reported as every one of its requests failing."""
+    try:
+        out.put(asyncio.run(run(args, share, lambda: barrier.wait(BARRIER_TIMEOUT_S))))
+    except Exception as exc:
+        barrier.abort()  # the others stop waiting for this one
+        now = time.perf_counter()
+        failed = Result(ok=False, error=f"client process failed: {type(exc).__name__}: {exc}")
+        out.put(Timed([failed] * share.num_requests, now, now, args.model))
 
 
 def run_all(args: argparse.Namespace) -> tuple[list[Result], float, str]:
@@ -144,18 +163,23 @@ def run_all(args: argparse.Namespace) -> tuple[list[Result], float, str]:
     Python client streams only ~5-10k chunks/s: at high concurrency a single one measures
     itself, not the server). Wall time: from the first share's start to the last one's end."""
     warmup = Share(args.concurrency, 0, args.request_rate, args.warmup_requests, args.seed)
-    _, _, model = asyncio.run(run(args, warmup))
+    args.model = asyncio.run(run(args, warmup)).model
     if args.client_processes == 1:
-        return asyncio.run(run(args, shares(args)[0]))
-    # spawn, not fork: the parent may hold threads (asyncio's resolver, a test's server)
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(args.client_processes, mp_context=context) as pool:
-        for future in [pool.submit(_started) for _ in range(args.client_processes)]:
-            future.result()
-        start = time.perf_counter()
-        parts = list(pool.map(run_share, [args] * args.client_processes, shares(args)))
-        wall = time.perf_counter() - start
-    return [r for results, _, _ in parts for r in results], wall, model
+        parts = [asyncio.run(run(args, shares(args)[0]))]
+    else:
+        # spawn, not fork: the parent may hold threads (asyncio's resolver, a test's server)
+        context = multiprocessing.get_context("spawn")
+        barrier, out = context.Barrier(args.client_processes), context.Queue()
+        processes = [context.Process(target=client_process, args=(args, share, barrier, out))
+                     for share in shares(args)]
+        for process in processes:
+            process.start()
+        parts = [out.get() for _ in processes]
+        for process in processes:
+            process.join()
+    timed = [part for part in parts if part.end > part.start] or parts  # (failed shares have no span)
+    wall = max(max(part.end for part in timed) - min(part.start for part in timed), 1e-9)
+    return [r for part in parts for r in part.results], wall, args.model
 
 
 def report(args: argparse.Namespace, results: list[Result], wall: float, model: str) -> str:
@@ -196,14 +220,15 @@ def main() -> None:
                    help="client processes the timed requests are split over (default: one per 32 of "
                         "--concurrency)")
     p.add_argument("--warmup-requests", type=int, default=None,
-                   help="untimed requests of the same shape sent first, all at once (default: --concurrency)")
+                   help="untimed requests of the same shape sent first, --concurrency at a time "
+                        "(default: --concurrency)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     args = p.parse_args()
     if args.warmup_requests is None:
         args.warmup_requests = args.concurrency
     if args.client_processes is None:
-        args.client_processes = math.ceil(args.concurrency / 32)
+        args.client_processes = min(math.ceil(args.concurrency / 32), args.num_requests)
     if min(args.concurrency, args.num_requests, args.prompt_len, args.output_len, args.client_processes) < 1 \
             or args.request_rate <= 0 or args.warmup_requests < 0:
         p.error("--concurrency, --num-requests, --prompt-len, --output-len, --client-processes and --request-rate "

@@ -487,23 +487,28 @@ class AsyncLLM:
 
 
 def _merge_queued(items: list[RequestOutput | RequestFailed]) -> list[RequestOutput | RequestFailed]:
-    """Items of one consumer's queue, each request's outputs folded into its latest one
-    (`RequestOutput.merge_earlier`), in the order each request first appears. When the
-    event loop falls behind the engine (many streams, a fast model), this turns a backlog
-    of per-step chunks into one chunk per request instead of deepening it, as vLLM's
-    output collector does."""
-    merged: list[RequestOutput | RequestFailed] = []
-    position: dict[str, int] = {}
+    """Items of one consumer's queue, each request's run of outputs folded into its latest
+    one (`RequestOutput.merge_earlier`), in the order each request first appears; a failure
+    is never merged, so outputs before it still reach the client. When the event loop falls
+    behind the engine (many streams, a fast model), this turns a backlog of per-step chunks
+    into one chunk per request instead of deepening it, as vLLM's output collector does."""
+    runs: list[list[RequestOutput | RequestFailed]] = []
+    open_run: dict[str, list[RequestOutput | RequestFailed]] = {}  # request id -> its run of outputs
     for item in items:
-        at = position.get(item.request_id)
-        if at is None:
-            position[item.request_id] = len(merged)
-            merged.append(item)
+        run = open_run.get(item.request_id)
+        if run is not None and isinstance(item, RequestOutput):
+            run.append(item)
             continue
-        earlier = merged[at]
-        if isinstance(item, RequestOutput) and isinstance(earlier, RequestOutput):
-            item.merge_earlier(earlier)
-        merged[at] = item
+        runs.append([item])
+        if isinstance(item, RequestOutput):
+            open_run[item.request_id] = runs[-1]
+        else:
+            open_run.pop(item.request_id, None)
+    merged = []
+    for run in runs:
+        if len(run) > 1:
+            run[-1].merge_earlier(run[:-1])
+        merged.append(run[-1])
     return merged
 
 

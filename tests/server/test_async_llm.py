@@ -19,12 +19,18 @@ class _NoAborts:
         raise AssertionError(f"nothing should be aborted, got {request_ids}")
 
 
-def _drain(items: list, request_ids: list[str]) -> list[tuple[int, RequestOutput]]:
+def _drain(items: list, request_ids: list[str], got: list | None = None) -> list[tuple[int, RequestOutput]]:
+    """Everything a Generation yields for `items`, queued before it is read (into `got`
+    as it comes, so that what came before an exception can be looked at)."""
+    got = [] if got is None else got
+
     async def run() -> list[tuple[int, RequestOutput]]:
         queue: asyncio.Queue = asyncio.Queue()
         for item in items:
             queue.put_nowait(item)
-        return [pair async for pair in Generation(_NoAborts(), request_ids, queue)]
+        async for pair in Generation(_NoAborts(), request_ids, queue):
+            got.append(pair)
+        return got
     return asyncio.run(run())
 
 
@@ -41,7 +47,10 @@ def test_outputs_that_queued_up_come_as_one_per_request():
     assert second.new_token_ids == [4, 5] and second.new_text == "de"
 
 
-def test_a_failure_queued_behind_outputs_still_raises():
-    items = [_output("a", [1], [1]), RequestFailed("a", "boom")]
+def test_a_failure_queued_behind_outputs_comes_after_them():
+    """Outputs queued before a failure reach the consumer (merged), then the failure raises."""
+    items = [_output("a", [1], [1]), _output("a", [1, 2], [2]), RequestFailed("a", "boom")]
+    got: list = []
     with pytest.raises(RequestFailed, match="boom"):
-        _drain(items, ["a"])
+        _drain(items, ["a"], got)
+    assert [out.new_token_ids for _, out in got] == [[1, 2]]
