@@ -23,18 +23,19 @@ _MARKED = re.compile(f"({_MARK}[0-9]+{_MARK})")
 
 
 class ChatHandler(OpenAIServing):
-    """Serves chat completions (n=1), streamed or not, with the chat logprobs format."""
+    """Serves chat completions (`n` choices), streamed or not, with the chat logprobs format."""
 
     async def create(self, request: ChatCompletionRequest) -> Response:
         """Validate, run, and answer one chat completions request."""
         self.check_model(request.model)
+        self.check_num_prompts(1, request.n)
         prompt, params = await self.tokenizer_thread.run(self._engine_input, request)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        generation = await self.submit(request_id, [(prompt, params)])
+        generation = await self.submit(request_id, self.choices([(prompt, params)], request.n))
         if request.stream:
             return self.stream(generation, self._chunks(request, request_id, generation))
-        (out,) = await self.collect(generation, 1)
-        return await render_off_loop(lambda: self._response(request, request_id, out))
+        finals = await self.collect(generation, request.n)
+        return await render_off_loop(lambda: self._response(request, request_id, finals))
 
     def _engine_input(self, request: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
         """The rendered prompt's token ids and the params, checked (on the tokenizer thread)."""
@@ -43,12 +44,14 @@ class ChatHandler(OpenAIServing):
         return prompt, self.sampling_params(request, len(prompt), request.requested_max_tokens, max_param,
                                             request.num_logprobs)
 
-    def _response(self, request: ChatCompletionRequest, request_id: str, out: RequestOutput) -> ChatCompletionResponse:
-        choice = ChatChoice(index=0, message=AssistantMessage(content=out.text or ""),
-                            logprobs=self._logprobs(request, out, new_only=False), finish_reason=out.finish_reason,
-                            stop_reason=out.stop_reason)
-        return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=[choice],
-                                      usage=usage([out]))
+    def _response(self, request: ChatCompletionRequest, request_id: str,
+                  finals: list[RequestOutput]) -> ChatCompletionResponse:
+        choices = [ChatChoice(index=i, message=AssistantMessage(content=out.text or ""),
+                              logprobs=self._logprobs(request, out, new_only=False), finish_reason=out.finish_reason,
+                              stop_reason=out.stop_reason)
+                   for i, out in enumerate(finals)]
+        return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
+                                      usage=usage(finals, request.n))
 
     def _encode(self, messages: list[ChatMessage]) -> list[int]:
         """The prompt's token ids: the chat template rendered with the assistant prefix.
@@ -121,20 +124,21 @@ class ChatHandler(OpenAIServing):
     async def _chunks(self, request: ChatCompletionRequest, request_id: str,
                       generation: Generation) -> AsyncIterator[ChatCompletionChunk]:
         chunk = ChatCompletionChunk(id=request_id, model=self.served_model_name, choices=[])
-        role = ChatChunkChoice(index=0, delta=DeltaMessage(role="assistant", content=""))
-        yield chunk.model_copy(update={"choices": [role]})
-        final: RequestOutput | None = None
-        async for _, out in generation:
+        for index in range(request.n):  # each choice's first chunk carries the role, as OpenAI's do
+            role = ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
+            yield chunk.model_copy(update={"choices": [role]})
+        finals: list[RequestOutput | None] = [None] * request.n  # by choice index
+        async for index, out in generation:
             logprobs = self._logprobs(request, out, new_only=True)
             if out.finished:
-                final = out
+                finals[index] = out
             elif not out.new_text and not (logprobs and logprobs.content):
                 continue  # nothing to show yet (e.g. text held back mid-character)
-            choice = ChatChunkChoice(index=0, delta=DeltaMessage(content=out.new_text or None), logprobs=logprobs,
-                                     finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+            choice = ChatChunkChoice(index=index, delta=DeltaMessage(content=out.new_text or None),
+                                     logprobs=logprobs, finish_reason=out.finish_reason, stop_reason=out.stop_reason)
             yield chunk.model_copy(update={"choices": [choice]})
-        if request.include_usage_in_stream and final is not None:
-            yield chunk.model_copy(update={"usage": usage([final])})
+        if request.include_usage_in_stream and None not in finals:
+            yield chunk.model_copy(update={"usage": usage(finals, request.n)})
 
     def _logprobs(self, request: ChatCompletionRequest, out: RequestOutput, new_only: bool) -> ChatLogprobs | None:
         if request.num_logprobs is None:

@@ -1,4 +1,4 @@
-"""POST /v1/completions: text or token-id prompts, one choice per prompt."""
+"""POST /v1/completions: text or token-id prompts, `n` choices per prompt."""
 import uuid
 from typing import AsyncIterator
 
@@ -17,8 +17,8 @@ class CompletionsHandler(OpenAIServing):
     async def create(self, request: CompletionRequest) -> Response:
         """Validate, run, and answer one completions request."""
         self.check_model(request.model)
-        self.check_num_prompts(len(request.prompt))
-        requests = await self.tokenizer_thread.run(self._engine_inputs, request)
+        self.check_num_prompts(len(request.prompt), request.n)
+        requests = self.choices(await self.tokenizer_thread.run(self._engine_inputs, request), request.n)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         generation = await self.submit(request_id, requests)
         if request.stream:
@@ -40,24 +40,24 @@ class CompletionsHandler(OpenAIServing):
             for i, out in enumerate(finals)
         ]
         return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
-                                  usage=usage(finals))
+                                  usage=usage(finals, request.n))
 
     async def _chunks(self, request: CompletionRequest, request_id: str,
                       generation: Generation) -> AsyncIterator[CompletionResponse]:
         first = CompletionResponse(id=request_id, model=self.served_model_name, choices=[])
-        text_offsets = [0] * len(request.prompt)
-        finals: list[RequestOutput] = []
+        text_offsets = [0] * (len(request.prompt) * request.n)
+        finals: list[RequestOutput | None] = [None] * len(text_offsets)  # by choice index
         async for index, out in generation:
             logprobs, text_offsets[index] = self._logprobs(request, out, text_offsets[index], new_only=True)
             if out.finished:
-                finals.append(out)
+                finals[index] = out
             elif not out.new_text and not (logprobs and logprobs.tokens):
                 continue  # nothing to show yet (e.g. text held back mid-character)
             choice = CompletionChoice(index=index, text=out.new_text, logprobs=logprobs,
                                       finish_reason=out.finish_reason, stop_reason=out.stop_reason)
             yield first.model_copy(update={"choices": [choice]})
         if request.include_usage_in_stream:
-            yield first.model_copy(update={"usage": usage(finals)})
+            yield first.model_copy(update={"usage": usage(finals, request.n)})
 
     def _logprobs(self, request: CompletionRequest, out: RequestOutput, text_offset: int,
                   new_only: bool) -> tuple[CompletionLogprobs | None, int]:

@@ -19,6 +19,8 @@ from hybrid_engine.sampling_params import MAX_STOP_STRINGS, RANGES, check_unicod
 
 # vLLM's request spelling of "top_k off"; the library's is 0 (see `sampling_kwargs`).
 TOP_K_OFF = -1
+# The most choices per prompt (`n`) a request may ask for: OpenAI's limit.
+MAX_CHOICES = 128
 
 
 def ranged(default: Any, name: str, lo: int | None = None) -> Any:
@@ -84,7 +86,7 @@ class SamplingRequest(StrictModel):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices per prompt
     user: UnicodeStr | None = None  # accepted for compatibility; not used
     logit_bias: dict[str, float] = Field(default_factory=dict)  # only {} (see `only_neutral`)
     max_tokens: int | None = ranged(None, "max_tokens")
@@ -115,13 +117,6 @@ class SamplingRequest(StrictModel):
     @classmethod
     def _no_logit_bias(cls, value: dict[str, float]) -> dict[str, float]:
         return only_neutral("logit_bias", value, {})
-
-    @field_validator("n")
-    @classmethod
-    def _single_choice(cls, value: int) -> int:
-        if value != 1:
-            raise PydanticCustomError("not_implemented", "n > 1 is not implemented: send n=1 (or separate requests)")
-        return value
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingRequest":
@@ -158,7 +153,7 @@ class CompletionRequest(SamplingRequest):
     prompt: list[Prompt]
     logprobs: int | None = ranged(None, "logprobs")
     echo: bool = False  # only false: the prompt is not repeated in the output
-    best_of: int = 1  # only 1 (= n): one sequence per prompt
+    best_of: int = 1  # only 1: no server-side best-of selection (n choices are all returned)
 
     @field_validator("echo")
     @classmethod

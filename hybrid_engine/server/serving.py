@@ -18,6 +18,7 @@ import copy
 import json
 import logging
 import math
+from dataclasses import replace
 from typing import Any, AsyncIterator, Callable, TypeVar
 
 from pydantic import BaseModel
@@ -28,6 +29,7 @@ from starlette.responses import Response, StreamingResponse
 from hybrid_engine.detokenizer import REPLACEMENT_CHAR
 from hybrid_engine.prompts import check_max_tokens, check_params, check_prompt, encode_prompt
 from hybrid_engine.request import RequestOutput
+from hybrid_engine.sampling import derive_seed
 from hybrid_engine.sampling_params import SamplingParams
 from hybrid_engine.server.async_llm import AsyncLLM, EngineUnavailable, Generation, QueueFull, RequestFailed
 from hybrid_engine.server.errors import RATE_LIMIT, SERVER_ERROR, APIError, invalid_input
@@ -65,11 +67,12 @@ def logprob_rows(out: RequestOutput, top_n: int, new_only: bool) -> list[Logprob
     return rows
 
 
-def usage(finals: list[RequestOutput]) -> UsageInfo:
-    """The usage block of a response: token counts summed over its requests' final outputs."""
-    prompt_tokens = sum(len(out.prompt_token_ids) for out in finals)
+def usage(finals: list[RequestOutput], n: int = 1) -> UsageInfo:
+    """The usage block of a response: token counts summed over its requests' final outputs
+    (in choice order), each prompt's counted once for its `n` choices, as OpenAI counts."""
+    prompt_tokens = sum(len(out.prompt_token_ids) for out in finals[::n])
     completion_tokens = sum(len(out.output_token_ids) for out in finals)
-    cached_tokens = sum(out.num_cached_tokens for out in finals)
+    cached_tokens = sum(out.num_cached_tokens for out in finals[::n])
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
@@ -227,17 +230,33 @@ class OpenAIServing:
             raise invalid_input(exc) from exc
         return params
 
+    @staticmethod
+    def choices(requests: list[tuple[list[int], SamplingParams]], n: int) -> list[tuple[list[int], SamplingParams]]:
+        """`n` engine requests per prompt (OpenAI's `n`), prompt by prompt, so that choice j
+        of prompt i is request (and choice index) i * n + j. Choice j > 0 of a seeded request
+        draws with `derive_seed(seed, j)`: the sampling noise is a function of the seed, so one
+        seed would give n identical choices; unseeded choices each get the engine's own seed."""
+        return [(ids, params if j == 0 or params.seed is None else replace(params, seed=derive_seed(params.seed, j)))
+                for ids, params in requests for j in range(n)]
+
     # ---- running -----------------------------------------------------------------------
-    def check_num_prompts(self, num_prompts: int) -> None:
-        """400 for more prompts than one request may bring (`--max-prompts-per-request`) or
-        than the server ever admits at once (429 would never clear)."""
+    def check_num_prompts(self, num_prompts: int, n: int = 1) -> None:
+        """400 for more sequences (prompts x `n` choices) than one request may bring
+        (`--max-prompts-per-request`) or than the server ever admits at once (429 would
+        never clear); with n > 1 the error names `n`."""
+        total = num_prompts * n
+        what = f"{num_prompts} prompts in one request" if n == 1 else \
+            f"{total} sequences in one request ({num_prompts} prompts x n={n})"
         try:
-            self.llm.check_num_prompts(num_prompts)
+            self.llm.check_num_prompts(total)
         except ValueError as exc:
-            raise invalid_input(exc) from exc
-        if num_prompts > self.llm.max_in_flight:
-            raise APIError(f"{num_prompts} prompts in one request; this server admits at most "
-                           f"{self.llm.max_in_flight} requests at once", param="prompt")
+            if n == 1:
+                raise invalid_input(exc) from exc
+            raise APIError(f"n: {what}; this server takes at most {self.llm.max_prompts_per_request} per request "
+                           f"(--max-prompts-per-request)", param="n") from exc
+        if total > self.llm.max_in_flight:
+            raise APIError(f"{what}; this server admits at most {self.llm.max_in_flight} requests at once",
+                           param="prompt" if n == 1 else "n")
 
     async def submit(self, request_id: str, requests: list[tuple[list[int], SamplingParams]]) -> Generation:
         """Hand the requests to the engine, mapping refusals to HTTP errors."""

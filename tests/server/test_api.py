@@ -3,6 +3,8 @@ import httpx
 import openai
 import pytest
 
+from hybrid_engine import LLM, SamplingParams
+from hybrid_engine.sampling import derive_seed
 from hybrid_engine.tokenizer import build_byte_tokenizer
 from tests.server.conftest import MAX_MODEL_LEN, Server
 
@@ -50,6 +52,61 @@ def test_completion_prompt_shapes(client: openai.OpenAI):
     assert many.usage.prompt_tokens == 7 and many.usage.completion_tokens == 36
     lists = client.completions.create(model=MODEL, prompt=[[97, 98], [120, 121, 122]], **GREEDY)
     assert [c.text for c in lists.choices] == [c.text for c in many.choices[:2]]
+
+
+SEEDED = dict(temperature=0.8, max_tokens=12, seed=7, extra_body={"ignore_eos": True})
+
+
+def test_n_choices_per_prompt_match_the_library(client: openai.OpenAI):
+    """n=2 over two prompts: choice j of prompt i has index 2i + j and draws with the
+    request's seed (j = 0) or derive_seed(seed, j), token for token the library's output
+    with that seed; each prompt's tokens count once in usage."""
+    r = client.completions.create(model=MODEL, prompt=["ab", "xyz"], n=2, **SEEDED)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    llm = LLM(device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN)
+    for i, prompt in enumerate(["ab", "xyz"]):
+        for j in range(2):
+            params = SamplingParams(max_tokens=12, temperature=0.8, seed=7 if j == 0 else derive_seed(7, j),
+                                    ignore_eos=True)
+            assert r.choices[2 * i + j].text == llm.generate([prompt], params, use_tqdm=False)[0].text, (i, j)
+    assert r.choices[0].text != r.choices[1].text
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (5, 48)
+    greedy = client.completions.create(model=MODEL, prompt="ab", n=3, **GREEDY)
+    assert len({c.text for c in greedy.choices}) == 1  # greedy choices agree
+
+
+def test_n_choices_stream_like_the_response(client: openai.OpenAI):
+    """Streamed n=2 completions and n=3 chat choices concatenate, index by index, to the
+    non-streamed ones; each chat choice's first chunk carries the role; usage is the same."""
+    full = client.completions.create(model=MODEL, prompt=["ab", "xyz"], n=2, **SEEDED)
+    texts, usage = ["", "", "", ""], None
+    for chunk in client.completions.create(model=MODEL, prompt=["ab", "xyz"], n=2, stream=True,
+                                           stream_options={"include_usage": True}, **SEEDED):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+        usage = chunk.usage or usage
+    assert texts == [c.text for c in full.choices] and usage == full.usage
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, n=3, **SEEDED)
+    assert [c.index for c in chat.choices] == [0, 1, 2] and len({c.message.content for c in chat.choices}) == 3
+    contents, roles = ["", "", ""], []
+    for chunk in client.chat.completions.create(model=MODEL, messages=messages, n=3, stream=True,
+                                                stream_options={"include_usage": True}, **SEEDED):
+        for choice in chunk.choices:
+            if choice.delta.role:
+                roles.append(choice.index)
+            contents[choice.index] += choice.delta.content or ""
+        usage = chunk.usage or usage
+    assert roles == [0, 1, 2] and contents == [c.message.content for c in chat.choices]
+    assert usage == chat.usage and usage.completion_tokens == 36
+
+
+def test_n_that_makes_too_many_sequences_names_n(server: Server):
+    """Prompts x n beyond what one request may bring is a 400 naming n."""
+    cap = server.llm.max_prompts_per_request
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": ["a", "b"], "n": cap, "max_tokens": 1})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "n" and f"{2 * cap} sequences" in error["message"]
 
 
 def test_unset_max_tokens_uses_the_remaining_context(client: openai.OpenAI):
