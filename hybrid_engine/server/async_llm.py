@@ -123,9 +123,9 @@ class _Stop:
 
 
 class Generation:
-    """The outputs of one API call's engine requests (one per prompt), as they come.
+    """The outputs of one API call's engine requests (one per prompt and choice), as they come.
 
-    Iterate for `(prompt index, RequestOutput)` pairs until every request finished;
+    Iterate for `(request index, RequestOutput)` pairs until every request finished;
     a request that errors raises `RequestFailed`. Always `close()` (idempotent): it
     aborts whatever has not finished, e.g. when the client went away.
     """

@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-waiting-requests", type=int, default=256,
                    help="requests admitted beyond --max-num-seqs before answering 429")
     p.add_argument("--max-prompts-per-request", type=int, default=None,
-                   help="prompts one completions request may bring (more is a 400; default: --max-num-seqs)")
+                   help="sequences (prompts x n choices) one request may bring (more is a 400; default: --max-num-seqs)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT before they are aborted")
     defaults = ServerLimits()

@@ -56,7 +56,7 @@ class CompletionsHandler(OpenAIServing):
             choice = CompletionChoice(index=index, text=out.new_text, logprobs=logprobs,
                                       finish_reason=out.finish_reason, stop_reason=out.stop_reason)
             yield first.model_copy(update={"choices": [choice]})
-        if request.include_usage_in_stream:
+        if request.include_usage_in_stream and None not in finals:
             yield first.model_copy(update={"usage": usage(finals, request.n)})
 
     def _logprobs(self, request: CompletionRequest, out: RequestOutput, text_offset: int,

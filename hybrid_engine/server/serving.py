@@ -234,29 +234,33 @@ class OpenAIServing:
     def choices(requests: list[tuple[list[int], SamplingParams]], n: int) -> list[tuple[list[int], SamplingParams]]:
         """`n` engine requests per prompt (OpenAI's `n`), prompt by prompt, so that choice j
         of prompt i is request (and choice index) i * n + j. Choice j > 0 of a seeded request
-        draws with `derive_seed(seed, j)`: the sampling noise is a function of the seed, so one
-        seed would give n identical choices; unseeded choices each get the engine's own seed."""
-        return [(ids, params if j == 0 or params.seed is None else replace(params, seed=derive_seed(params.seed, j)))
+        draws with `derive_seed(seed, -j)`: the sampling noise is a function of the seed, so one
+        seed would give n identical choices, and the engine derives its unseeded requests'
+        seeds from counters >= 0 (with the engine seed, often the same 0 a client sends), so a
+        negative counter keeps the choices' streams apart from those. Unseeded choices each
+        get the engine's own seed."""
+        return [(ids, params if j == 0 or params.seed is None else replace(params, seed=derive_seed(params.seed, -j)))
                 for ids, params in requests for j in range(n)]
 
     # ---- running -----------------------------------------------------------------------
     def check_num_prompts(self, num_prompts: int, n: int = 1) -> None:
         """400 for more sequences (prompts x `n` choices) than one request may bring
         (`--max-prompts-per-request`) or than the server ever admits at once (429 would
-        never clear); with n > 1 the error names `n`."""
+        never clear), naming `prompt` when the prompts alone are too many, else `n`."""
         total = num_prompts * n
-        what = f"{num_prompts} prompts in one request" if n == 1 else \
-            f"{total} sequences in one request ({num_prompts} prompts x n={n})"
+        param = "prompt" if n == 1 or num_prompts > self.llm.max_prompts_per_request else "n"
+        what = f"{num_prompts} prompts in one request" if param == "prompt" else \
+            f"{total} sequences in one request ({num_prompts} prompt(s) x n={n} choices)"
         try:
             self.llm.check_num_prompts(total)
         except ValueError as exc:
-            if n == 1:
+            if param == "prompt":
                 raise invalid_input(exc) from exc
             raise APIError(f"n: {what}; this server takes at most {self.llm.max_prompts_per_request} per request "
                            f"(--max-prompts-per-request)", param="n") from exc
         if total > self.llm.max_in_flight:
-            raise APIError(f"{what}; this server admits at most {self.llm.max_in_flight} requests at once",
-                           param="prompt" if n == 1 else "n")
+            raise APIError(f"{param}: {what}; this server admits at most {self.llm.max_in_flight} requests at once",
+                           param=param)
 
     async def submit(self, request_id: str, requests: list[tuple[list[int], SamplingParams]]) -> Generation:
         """Hand the requests to the engine, mapping refusals to HTTP errors."""

@@ -59,14 +59,14 @@ SEEDED = dict(temperature=0.8, max_tokens=12, seed=7, extra_body={"ignore_eos": 
 
 def test_n_choices_per_prompt_match_the_library(client: openai.OpenAI):
     """n=2 over two prompts: choice j of prompt i has index 2i + j and draws with the
-    request's seed (j = 0) or derive_seed(seed, j), token for token the library's output
+    request's seed (j = 0) or derive_seed(seed, -j), token for token the library's output
     with that seed; each prompt's tokens count once in usage."""
     r = client.completions.create(model=MODEL, prompt=["ab", "xyz"], n=2, **SEEDED)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     llm = LLM(device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN)
     for i, prompt in enumerate(["ab", "xyz"]):
         for j in range(2):
-            params = SamplingParams(max_tokens=12, temperature=0.8, seed=7 if j == 0 else derive_seed(7, j),
+            params = SamplingParams(max_tokens=12, temperature=0.8, seed=7 if j == 0 else derive_seed(7, -j),
                                     ignore_eos=True)
             assert r.choices[2 * i + j].text == llm.generate([prompt], params, use_tqdm=False)[0].text, (i, j)
     assert r.choices[0].text != r.choices[1].text
@@ -89,6 +89,9 @@ def test_n_choices_stream_like_the_response(client: openai.OpenAI):
     messages = [{"role": "user", "content": "hi"}]
     chat = client.chat.completions.create(model=MODEL, messages=messages, n=3, **SEEDED)
     assert [c.index for c in chat.choices] == [0, 1, 2] and len({c.message.content for c in chat.choices}) == 3
+    single = client.chat.completions.create(model=MODEL, messages=messages, **SEEDED)
+    assert chat.choices[0].message.content == single.choices[0].message.content  # choice 0 keeps the seed
+    assert chat.usage.prompt_tokens == single.usage.prompt_tokens  # the prompt counts once
     contents, roles = ["", "", ""], []
     for chunk in client.chat.completions.create(model=MODEL, messages=messages, n=3, stream=True,
                                                 stream_options={"include_usage": True}, **SEEDED):
@@ -101,12 +104,23 @@ def test_n_choices_stream_like_the_response(client: openai.OpenAI):
     assert usage == chat.usage and usage.completion_tokens == 36
 
 
-def test_n_that_makes_too_many_sequences_names_n(server: Server):
-    """Prompts x n beyond what one request may bring is a 400 naming n."""
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_n_that_makes_too_many_sequences_names_n(server: Server, path: str):
+    """Prompts x n beyond what one request may bring is a 400 naming n (the prompts alone
+    fit), in both endpoints."""
     cap = server.llm.max_prompts_per_request
-    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": ["a", "b"], "n": cap, "max_tokens": 1})
+    prompts = 1 if "chat" in path else cap // 2 + 1
+    body = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": ["a"] * prompts}
+    r = httpx.post(f"{server.url}{path}", json={**body, "n": 2 if prompts > 1 else cap + 1, "max_tokens": 1})
     error = r.json()["error"]
-    assert r.status_code == 400 and error["param"] == "n" and f"{2 * cap} sequences" in error["message"]
+    assert r.status_code == 400 and error["param"] == "n" and "sequences in one request" in error["message"], error
+
+
+def test_unseeded_choices_differ_from_each_other(client: openai.OpenAI):
+    """Without a seed each choice gets an engine seed of its own: the choices differ."""
+    r = client.completions.create(model=MODEL, prompt="ab", n=3, temperature=0.8, max_tokens=12,
+                                  extra_body={"ignore_eos": True})
+    assert len({c.text for c in r.choices}) == 3
 
 
 def test_unset_max_tokens_uses_the_remaining_context(client: openai.OpenAI):
