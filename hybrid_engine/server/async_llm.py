@@ -136,7 +136,7 @@ class Generation:
         self._unfinished = set(request_ids)
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Yield (prompt index, output) as the engine thread delivers them; a request's
+        """Yield (request index, output) as the engine thread delivers them; a request's
         outputs that queued up while the consumer was busy come as one (`_merge_queued`)."""
         while self._unfinished:
             items = [await self._outputs.get()]
