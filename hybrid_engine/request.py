@@ -58,6 +58,18 @@ class RequestOutput:
         return None if self._logprobs is None else self._logprobs[: self._num_output]
 
     @property
+    def new_logprobs(self) -> list[dict[int, float]] | None:
+        """The logprobs rows of `new_token_ids` (the last of the output's tokens)."""
+        if self._logprobs is None:
+            return None
+        return self._logprobs[self._num_output - len(self.new_token_ids): self._num_output]
+
+    @property
+    def held_text(self) -> str:
+        """Decoded text not streamed yet because it may start a stop string (ends `text`)."""
+        return self._text_tail
+
+    @property
     def text(self) -> str | None:
         """The output text up to this output's step (None without a tokenizer)."""
         if self._text_parts is None:

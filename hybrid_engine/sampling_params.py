@@ -25,6 +25,11 @@ class ParameterError(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self):
+        # Pickled with both arguments (an exception pickles only its message by default): the
+        # server's engine process sends validation errors to the HTTP side.
+        return type(self), (self.param, str(self))
+
 
 def check_unicode(text: str, field: str) -> None:
     """ParameterError(field) if `text` is no valid Unicode text: a lone surrogate ("\ud800"),

@@ -1,56 +1,40 @@
-"""AsyncLLM: the engine loop on its own thread, requests and outputs on asyncio.
+"""AsyncLLM: the server's front end to its `EngineCore` (engine_core.py), on asyncio.
 
-`LLMEngine` is synchronous and not thread-safe. Rather than lock it, exactly one thread
-(the engine thread, which also builds it) ever touches it: the event loop sends
-commands (add, abort, stop) through a thread-safe queue that the engine thread drains
-between steps, and the engine thread hands each step's outputs back to the waiting
-coroutines with `loop.call_soon_threadsafe`. The event loop thus never blocks on a
-model step, and the engine never waits on HTTP.
+The core runs on a thread of this process or in a process of its own (engine_host.py,
+`engine_process`); the front end talks to it only through commands and reports. It keeps,
+per request, where its outputs go (an asyncio queue on a given event loop) and the
+cumulative output the core's deltas extend, and turns each report into one wake-up per
+event loop. The event loop thus never blocks on a model step, and the engine never waits
+on HTTP.
 
-Admission: an API call's prompts are accepted all or nothing (validated with the engine's
-own checks, 429 only beyond `max_in_flight`), then wait on a server-side list. The engine
-is handed only as many prompts as it has Mamba slots, and each free place goes to the
-waiting API call with the fewest prompts in the engine, then the fewest handed over so
-far, then the earliest -- so prompts of concurrent calls are admitted round-robin, and
-one call with many prompts does not hold every slot until it is done.
-
-Failure containment: a request the engine refuses fails alone (ValueError -> 400,
-anything else -> 500); if a whole `step()` raises, every in-flight request fails with
-the error, the engine is told to abort them, and the loop keeps serving new requests.
-An engine that died (a tensor-parallel worker exited: `LLMEngine.dead`) has failed every
-request itself; the loop then stops, and the server answers 503 from then on.
+Admission (accept all or nothing, the bounded waiting room, round-robin between calls) and
+failure containment are the core's; see its module doc. If the core goes away -- shut
+down, its engine dead, or its process killed -- every request still in flight fails, and
+`submit` raises `EngineUnavailable` (503) from then on.
 """
 import asyncio
 import concurrent.futures
-import copy
 import logging
-import queue
 import threading
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from hybrid_engine.engine import LLMEngine
-from hybrid_engine.prompts import RequestLimits, validate_request
 from hybrid_engine.request import RequestOutput
 from hybrid_engine.sampling_params import ParameterError, SamplingParams
+from hybrid_engine.server.engine_core import (Abort, Accepted, AddCall, EngineInfo, Failure, OutputDelta, QueueFull,
+                                              Report, StartFailed, Started, StepReport, Stop, Stopped)
+from hybrid_engine.server.engine_host import EngineHost, EngineProcess, EngineThread
 from hybrid_engine.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
-# After a failed step, wait this long (doubling per consecutive failure, capped) before
-# stepping again, so a persistently broken engine logs errors instead of spinning a core.
-_FAILURE_BACKOFF_S = 0.01
-_FAILURE_BACKOFF_MAX_S = 1.0
-
-
-class QueueFull(Exception):
-    """The server already holds as many requests as it admits (answered with 429)."""
+__all__ = ["AsyncLLM", "EngineInfo", "EngineUnavailable", "Generation", "QueueFull", "RequestFailed"]
 
 
 class EngineUnavailable(Exception):
-    """The engine thread is stopped or stopping (answered with 503)."""
+    """The engine is stopped or stopping (answered with 503)."""
 
 
 class RequestFailed(Exception):
@@ -61,65 +45,39 @@ class RequestFailed(Exception):
         self.request_id = request_id
 
 
-@dataclass(frozen=True)
-class EngineInfo:
-    """What the HTTP layer needs to know about the engine, read once at start-up."""
-
-    model_name: str
-    tokenizer: Any | None  # the front end's own copy, for its tokenizer thread only (see AsyncLLM._describe)
-    limits: RequestLimits  # what a request must fit (the engine's own, `LLMEngine.limits`)
-    max_num_seqs: int
-    kv_block_size: int
-    total_kv_blocks: int
-    device: str
-    dtype: str
-    kernels: str
-
-    @property
-    def kv_tokens(self) -> int:
-        """Tokens the whole KV cache holds."""
-        return self.total_kv_blocks * self.kv_block_size
-
-    @property
-    def max_request_tokens(self) -> int:
-        """Largest prompt + output of one request: the context and the cache both bound it."""
-        return self.limits.max_request_tokens
-
-
 @dataclass
-class _Route:
-    """Where a request's outputs go: an asyncio queue on a given event loop."""
+class _Stream:
+    """One request's consumer (an asyncio queue on a given event loop) and its output so
+    far, which the core's deltas extend (lists only grow: each `RequestOutput` keeps
+    references and lengths, see `RequestOutput`)."""
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    prompt_token_ids: list[int]
+    logprobs: list[dict[int, float]] | None  # None: the request asked for none
+    text_parts: list[str] | None  # None: the engine has no tokenizer
+    output_ids: list[int] = field(default_factory=list)
+
+    def output(self, delta: OutputDelta) -> RequestOutput:
+        """The request's `RequestOutput` after `delta`."""
+        self.output_ids.extend(delta.new_token_ids)
+        if self.logprobs is not None and delta.new_logprobs:
+            self.logprobs.extend(delta.new_logprobs)
+        if self.text_parts is not None and delta.new_text:
+            self.text_parts.append(delta.new_text)
+        return RequestOutput(delta.request_id, None, self.prompt_token_ids, self.output_ids, self.logprobs,
+                             self.text_parts, delta.held_text, delta.finished, delta.finish_reason,
+                             delta.stop_reason, delta.new_token_ids, delta.new_text, delta.error,
+                             delta.num_cached_tokens)
 
 
 @dataclass
-class _Add:
-    request_ids: list[str]
-    requests: list[tuple[list[int], SamplingParams]]
-    route: _Route
+class _PendingCall:
+    """An `AddCall` sent and not answered yet."""
+
     accepted: concurrent.futures.Future
-
-
-@dataclass
-class _Queued:
-    """One API call's prompts while some still wait on the server-side list (engine thread only)."""
-
-    seq: int  # arrival order: the last tie-break between calls
-    route: _Route
-    prompts: dict[str, tuple[list[int], SamplingParams]] = field(default_factory=dict)  # not yet in the engine
-    in_engine: int = 0  # its prompts the engine holds now
-    admitted: int = 0  # its prompts handed to the engine so far
-
-
-@dataclass
-class _Abort:
-    request_ids: list[str] | None  # None: every request in flight
-
-
-class _Stop:
-    """Command: leave the engine loop."""
+    request_ids: list[str]
+    prompt_tokens: int
 
 
 class Generation:
@@ -136,7 +94,7 @@ class Generation:
         self._unfinished = set(request_ids)
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Yield (request index, output) as the engine thread delivers them; a request's
+        """Yield (request index, output) as the core's reports deliver them; a request's
         outputs that queued up while the consumer was busy come as one (`_merge_queued`)."""
         while self._unfinished:
             items = [await self._outputs.get()]
@@ -164,19 +122,19 @@ class Generation:
 
 
 class AsyncLLM:
-    """Runs an `LLMEngine` on a dedicated thread and serves it to asyncio code.
+    """Serves an `LLMEngine` to asyncio code; the engine runs in an `EngineCore` elsewhere.
 
-    `engine_factory` is called on the engine thread (so the engine, its device state
-    and any thread-local settings live there). The constructor returns once the
-    engine is built, re-raising its construction error. At most
-    `max_num_seqs + max_waiting_requests` requests are in flight; beyond that
-    `submit` raises `QueueFull`. One call brings at most `max_prompts_per_request`
-    prompts (default: max_num_seqs, so one call can fill the running batch but not
-    the waiting room as well).
+    `engine_factory` builds the engine where the core runs: on a thread of this process, or
+    with `engine_process=True` in a child process (then it must be picklable, e.g.
+    `functools.partial(LLMEngine, config)`). The constructor returns once the engine is
+    built, re-raising its construction error. At most `max_num_seqs + max_waiting_requests`
+    requests are in flight; beyond that `submit` raises `QueueFull`. One call brings at most
+    `max_prompts_per_request` prompts (default: max_num_seqs, so one call can fill the
+    running batch but not the waiting room as well).
     """
 
     def __init__(self, engine_factory: Callable[[], LLMEngine], max_waiting_requests: int = 256,
-                 max_prompts_per_request: int | None = None):
+                 max_prompts_per_request: int | None = None, engine_process: bool = False):
         if max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests}")
         if max_prompts_per_request is not None and max_prompts_per_request < 1:
@@ -184,23 +142,21 @@ class AsyncLLM:
         self.max_waiting_requests = max_waiting_requests
         self.metrics = ServerMetrics(lambda: self.stats)
         self.info: EngineInfo
-        self.stats: dict[str, int] = {}  # the latest engine.stats() plus in_flight, replaced whole
-        self._commands: queue.Queue = queue.Queue()
-        # Engine thread only: where every in-flight request's outputs go; the calls with
-        # prompts still on the server-side list (by arrival), and each prompt's call.
-        self._routes: dict[str, _Route] = {}
-        self._queued: dict[int, _Queued] = {}
-        self._owner: dict[str, _Queued] = {}
+        self.stats: dict[str, int] = {}  # the core's latest stats, replaced whole
+        self._streams: dict[str, _Stream] = {}  # every request sent and not finished
+        self._pending: dict[int, _PendingCall] = {}  # by AddCall.seq
         self._next_seq = 0
-        self._stopping = False
-        self._lock = threading.Lock()  # orders "queue a submit" against "engine thread exits"
-        self._ready = threading.Event()
-        self._init_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._main, args=(engine_factory,), name="engine-loop", daemon=True)
-        self._thread.start()
-        self._ready.wait()
-        if self._init_error is not None:
-            raise self._init_error
+        self._stopping = False  # shutdown() was called
+        self._gone = False  # the core said Stopped (or never started)
+        self._lock = threading.Lock()  # orders submits against the core going away
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+        host = EngineProcess if engine_process else EngineThread
+        self._host: EngineHost = host(engine_factory, max_waiting_requests, self._on_report)
+        self._started.wait()
+        if self._start_error is not None:
+            self._host.join(10.0)
+            raise self._start_error
         self.max_prompts_per_request = (self.info.max_num_seqs if max_prompts_per_request is None
                                         else max_prompts_per_request)
 
@@ -210,14 +166,14 @@ class AsyncLLM:
         return self.info.max_num_seqs + self.max_waiting_requests
 
     @property
-    def healthy(self) -> bool:
-        """True while the engine thread runs and accepts requests."""
-        return self._thread.is_alive() and not self._stopping
+    def engine_pid(self) -> int | None:
+        """The engine process's id (None when the engine runs on a thread of this process)."""
+        return self._host.pid
 
     @property
-    def _num_queued(self) -> int:
-        """Prompts on the server-side list (engine thread only)."""
-        return sum(len(call.prompts) for call in self._queued.values())
+    def healthy(self) -> bool:
+        """True while the engine runs and accepts requests."""
+        return self._host.alive and not (self._stopping or self._gone)
 
     def check_num_prompts(self, num_prompts: int) -> None:
         """ParameterError("prompt") for more prompts in one call than `max_prompts_per_request`."""
@@ -227,8 +183,8 @@ class AsyncLLM:
 
     # ---- event-loop side -------------------------------------------------------------
     async def submit(self, request_id: str, requests: list[tuple[list[int], SamplingParams]]) -> Generation:
-        """Queue one engine request per (prompt token ids, params); returns once the engine
-        thread accepted them (they reach the engine as it has room, see the module doc).
+        """Queue one engine request per (prompt token ids, params); returns once the core
+        accepted them (they reach the engine as it has room, see engine_core.py).
 
         Raises ValueError (invalid request or too many prompts, nothing queued), QueueFull,
         EngineUnavailable, or whatever else validating them raised. Engine request ids are
@@ -236,254 +192,128 @@ class AsyncLLM:
         """
         self.check_num_prompts(len(requests))
         request_ids = [f"{request_id}-{i}" for i in range(len(requests))]
-        route = _Route(asyncio.get_running_loop(), asyncio.Queue())
+        loop, out_queue = asyncio.get_running_loop(), asyncio.Queue()
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if not self.healthy:
                 raise EngineUnavailable("the engine is not running")
-            self._commands.put(_Add(request_ids, requests, route, accepted))
+            for rid in request_ids:
+                if rid in self._streams:
+                    raise ValueError(f"request_id {rid!r} is already in use")
+            has_text = self.info.tokenizer is not None
+            for rid, (prompt, params) in zip(request_ids, requests):
+                self._streams[rid] = _Stream(loop, out_queue, prompt, [] if params.logprobs is not None else None,
+                                             [] if has_text else None)
+            seq, self._next_seq = self._next_seq, self._next_seq + 1
+            self._pending[seq] = _PendingCall(accepted, request_ids, sum(len(prompt) for prompt, _ in requests))
+            self._host.send(AddCall(seq, request_ids, requests))
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
-            # The caller went away while the engine was adding: undo (a no-op if the add
-            # was cancelled before it started).
+            # The caller went away while the core was adding: undo (the core ends any
+            # accepted prompt with "abort"; a refused call has nothing to undo).
             self.abort(request_ids)
             raise
-        return Generation(self, request_ids, route.queue)
+        return Generation(self, request_ids, out_queue)
 
     def abort(self, request_ids: list[str]) -> None:
-        """Ask the engine thread to abort these requests (thread-safe, idempotent)."""
-        self._commands.put(_Abort(request_ids))
+        """Ask the core to abort these requests (thread-safe, idempotent)."""
+        self._host.send(Abort(request_ids))
 
     def abort_all(self) -> None:
-        """Ask the engine thread to abort every request in flight (their callers get finish_reason "abort")."""
-        self._commands.put(_Abort(None))
+        """Ask the core to abort every request in flight (their callers get finish_reason "abort")."""
+        self._host.send(Abort(None))
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort everything in flight, stop the engine thread and wait for it (idempotent)."""
+        """Abort everything in flight, stop the core and wait for it (idempotent)."""
         with self._lock:
             if not self._stopping:
                 self._stopping = True
-                self._commands.put(_Stop())
-        self._thread.join(timeout)
+                self._host.send(Stop())
+        self._host.join(timeout)
 
-    # ---- engine thread ---------------------------------------------------------------
-    def _main(self, engine_factory: Callable[[], LLMEngine]) -> None:
-        try:
-            engine = engine_factory()
-            self.info = self._describe(engine)
-            self._publish_stats(engine)
-        except BaseException as exc:  # noqa: BLE001 -- handed to the constructing thread
-            self._init_error = exc
-            self._ready.set()
-            return
-        self._ready.set()
-        try:
-            self._loop(engine)
-        finally:
-            self._close(engine)
+    # ---- reports (on the core's thread, or the thread receiving its process's reports) ----
+    def _on_report(self, report: Report) -> None:
+        if isinstance(report, StepReport):
+            self._on_step(report)
+        elif isinstance(report, Accepted):
+            self._on_accepted(report)
+        elif isinstance(report, Started):
+            self.info, self.stats = report.info, report.stats
+            self._started.set()
+        elif isinstance(report, StartFailed):
+            self._gone, self._start_error = True, report.error
+            self._started.set()
+        elif isinstance(report, Stopped):
+            self._on_stopped(report)
 
-    @staticmethod
-    def _describe(engine: LLMEngine) -> EngineInfo:
-        stats = engine.stats()
-        # The HTTP side tokenizes prompts on its tokenizer thread (`serving.TokenizerThread`);
-        # a private copy keeps it from ever sharing the tokenizer object with the engine
-        # thread (HF fast tokenizers can raise "Already borrowed" under concurrent use).
-        tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
-        cfg = engine.config
-        return EngineInfo(
-            model_name=engine.model_name, tokenizer=tokenizer, limits=engine.limits, max_num_seqs=stats["total_mamba_slots"],
-            kv_block_size=cfg.kv_block_size, total_kv_blocks=stats["total_kv_blocks"], device=str(cfg.device),
-            dtype=cfg.dtype, kernels=engine.kernels.name,
-        )
-
-    def _loop(self, engine: LLMEngine) -> None:
-        """Commands, then admissions, then a step, until told to stop; no exception ends the loop."""
-        failures = 0
-        while True:
-            try:
-                if not self._run_commands(engine, block=not (engine.has_unfinished_requests() or self._queued)):
-                    return
-                self._feed(engine)
-                ok = self._step(engine) if engine.has_unfinished_requests() else True
-                self._publish_stats(engine)
-                if engine.dead is not None:  # a tensor-parallel worker died: nothing more can run
-                    logger.error("the engine is dead (%s): the server stops taking requests", engine.dead)
-                    return
-            except Exception:  # a bug outside the step itself: log it, keep serving
-                logger.exception("error in the engine loop")
-                ok = False
-            failures = 0 if ok else failures + 1
-            if failures:
-                time.sleep(min(_FAILURE_BACKOFF_S * 2 ** (failures - 1), _FAILURE_BACKOFF_MAX_S))
-
-    def _run_commands(self, engine: LLMEngine, block: bool) -> bool:
-        """Apply queued commands (waiting for one if `block`); False once told to stop."""
-        while True:
-            try:
-                command = self._commands.get(block=block)
-            except queue.Empty:
-                return True
-            block = False
-            if isinstance(command, _Stop):
-                return False
-            if isinstance(command, _Add):
-                self._add(engine, command)
-            else:
-                self._abort(engine, list(self._routes) if command.request_ids is None else command.request_ids)
-
-    def _add(self, engine: LLMEngine, command: _Add) -> None:
-        """Accept an API call's prompts onto the server-side list, all or none."""
-        if not command.accepted.set_running_or_notify_cancel():
-            return  # the caller stopped waiting before we got here
-        if len(self._routes) + len(command.request_ids) > self.max_in_flight:
-            self.metrics.queue_full.inc()
-            command.accepted.set_exception(QueueFull(
-                f"the server is at capacity ({len(self._routes)} requests in flight, at most {self.max_in_flight}); "
-                f"retry later"))
-            return
-        try:  # the engine's own checks now, so that a prompt handed over later cannot be refused
-            for request_id, (prompt, params) in zip(command.request_ids, command.requests):
-                if request_id in self._routes:
-                    raise ValueError(f"request_id {request_id!r} is already in use")
-                validate_request(prompt, params, engine.limits, engine.tokenizer)
-        except Exception as exc:
-            if not isinstance(exc, ValueError):
-                logger.exception("validating %s failed", command.request_ids)
-            command.accepted.set_exception(exc)
-            return
-        call = _Queued(self._next_seq, command.route, dict(zip(command.request_ids, command.requests)))
-        self._next_seq += 1
-        if call.prompts:
-            self._queued[call.seq] = call
-        for request_id, (prompt, _) in call.prompts.items():
-            self._routes[request_id] = command.route
-            self._owner[request_id] = call
-            self.metrics.prompt_tokens.inc(len(prompt))
-        command.accepted.set_result(None)
-
-    def _feed(self, engine: LLMEngine) -> None:
-        """Hand waiting prompts to the engine while it holds fewer than max_num_seqs, each to
-        the call with the fewest prompts in the engine, then the fewest admitted, then the earliest."""
-        failed: list[tuple[_Route, RequestFailed]] = []
-        while self._queued and len(self._routes) - self._num_queued < self.info.max_num_seqs:
-            call = min(self._queued.values(), key=lambda c: (c.in_engine, c.admitted, c.seq))
-            request_id = next(iter(call.prompts))
-            prompt, params = self._unqueue(call, request_id)
-            try:
-                engine.add_requests([(request_id, prompt, params)])
-            except Exception as exc:  # validated at accept time: an engine bug, fails this prompt alone
-                logger.exception("add_requests failed for %s", request_id)
-                self._end(request_id, "error")
-                failed.append((call.route, RequestFailed(
-                    request_id, f"the engine could not take the request: {type(exc).__name__}: {exc}")))
-                continue
-            call.in_engine += 1
-            call.admitted += 1
-        self._deliver(failed)
-
-    def _unqueue(self, call: _Queued, request_id: str) -> tuple[list[int], SamplingParams]:
-        """Take a prompt off the server-side list."""
-        entry = call.prompts.pop(request_id)
-        if not call.prompts:
-            del self._queued[call.seq]
-        return entry
-
-    def _end(self, request_id: str, finish_reason: str) -> _Queued:
-        """Forget a finished request's route, count it, and return its call."""
-        del self._routes[request_id]
-        self.metrics.finished.labels(finish_reason).inc()
-        return self._owner.pop(request_id)
-
-    def _abort(self, engine: LLMEngine, request_ids: list[str]) -> None:
-        """Abort requests: one still on the server-side list ends here with finish_reason
-        "abort" (it never reaches the engine); the engine ends the others at its next step."""
-        deliveries: list[tuple[_Route, RequestOutput]] = []
-        for request_id in request_ids:
-            call = self._owner.get(request_id)
+    def _on_accepted(self, report: Accepted) -> None:
+        with self._lock:
+            call = self._pending.pop(report.seq, None)
             if call is None:
-                continue  # finished already, or not ours
-            if request_id not in call.prompts:
-                engine.abort_request(request_id)
+                return  # failed already (the core went away meanwhile)
+            if report.error is not None:
+                for rid in call.request_ids:
+                    del self._streams[rid]
+        if report.error is None:
+            self.metrics.prompt_tokens.inc(call.prompt_tokens)
+        elif isinstance(report.error, QueueFull):
+            self.metrics.queue_full.inc()
+        if call.accepted.set_running_or_notify_cancel():  # False: the caller stopped waiting
+            if report.error is None:
+                call.accepted.set_result(None)
+            else:
+                call.accepted.set_exception(report.error)
+
+    def _on_step(self, report: StepReport) -> None:
+        self.stats = report.stats
+        for seconds in report.step_seconds:
+            self.metrics.step_seconds.observe(seconds)
+        deliveries: list[tuple[_Stream, RequestOutput | RequestFailed]] = []
+        for item in report.items:
+            stream = self._streams.get(item.request_id)
+            if stream is None:
                 continue
-            prompt, params = self._unqueue(call, request_id)
-            self._end(request_id, "abort")
-            deliveries.append((call.route, RequestOutput(
-                request_id, None, prompt, [], [] if params.logprobs is not None else None,
-                None if engine.tokenizer is None else [], "", True, "abort", None, [], "", None)))
-        self._deliver(deliveries)
+            if isinstance(item, Failure):
+                self._end(item.request_id, "error")
+                deliveries.append((stream, RequestFailed(item.request_id, item.message)))
+                continue
+            if item.finished:
+                self._end(item.request_id, item.finish_reason or "unknown")
+            self.metrics.generation_tokens.inc(len(item.new_token_ids))
+            deliveries.append((stream, stream.output(item)))
+        _deliver(deliveries)
 
-    def _step(self, engine: LLMEngine) -> bool:
-        """One engine step, its outputs delivered; False if the step raised."""
-        start = time.perf_counter()
+    def _on_stopped(self, report: Stopped) -> None:
+        """The core is gone: fail the calls it never answered and the requests it never ended."""
+        with self._lock:
+            self._gone = True
+            pending, self._pending = self._pending, {}
+            streams = list(self._streams.items())
+            self._streams.clear()
+        for call in pending.values():
+            if call.accepted.set_running_or_notify_cancel():
+                call.accepted.set_exception(EngineUnavailable(report.reason or "the server is shutting down"))
+        self.metrics.finished.labels("error").inc(len(streams))
+        message = report.reason or "the server is shutting down"
+        _deliver([(stream, RequestFailed(rid, message)) for rid, stream in streams])
+
+    def _end(self, request_id: str, finish_reason: str) -> None:
+        """Forget a finished request's stream and count it."""
+        del self._streams[request_id]
+        self.metrics.finished.labels(finish_reason).inc()
+
+
+def _deliver(deliveries: list[tuple[_Stream, RequestOutput | RequestFailed]]) -> None:
+    """Hand outputs to their consumers: one wake-up per event loop per report, not one per output."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = defaultdict(list)
+    for stream, item in deliveries:
+        by_loop[stream.loop].append((stream.queue, item))
+    for loop, batch in by_loop.items():
         try:
-            outputs = engine.step()
-        except Exception as exc:
-            logger.exception("engine step failed; failing %d in-flight request(s)", len(self._routes))
-            self._fail_all(engine, f"engine step failed: {type(exc).__name__}: {exc}")
-            return False
-        self.metrics.step_seconds.observe(time.perf_counter() - start)
-        deliveries = []
-        for out in outputs:
-            route = self._routes.get(out.request_id)
-            if route is None:
-                continue  # aborted by its caller (or rolled back); nobody is listening
-            if out.finished:
-                self._end(out.request_id, out.finish_reason or "unknown").in_engine -= 1
-            self.metrics.generation_tokens.inc(len(out.new_token_ids))
-            deliveries.append((route, out))
-        self._deliver(deliveries)
-        return True
-
-    def _fail_all(self, engine: LLMEngine, message: str) -> None:
-        """Fail every routed request with `message` and tell the engine to drop them."""
-        failed = list(self._routes.items())
-        self._routes.clear()
-        self._queued.clear()
-        self._owner.clear()
-        for request_id, _ in failed:
-            try:
-                engine.abort_request(request_id)
-            except Exception:
-                logger.exception("abort_request(%s) failed", request_id)
-        self.metrics.finished.labels("error").inc(len(failed))
-        self._deliver([(route, RequestFailed(request_id, message)) for request_id, route in failed])
-
-    @staticmethod
-    def _deliver(deliveries: list[tuple[_Route, RequestOutput | RequestFailed]]) -> None:
-        # One wake-up per event loop per step, not one per output.
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = defaultdict(list)
-        for route, item in deliveries:
-            by_loop[route.loop].append((route.queue, item))
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, batch)
-            except RuntimeError:
-                pass  # that event loop is closed: nobody is waiting for these outputs
-
-    def _publish_stats(self, engine: LLMEngine) -> None:
-        stats = engine.stats()
-        # "waiting" as clients see it: in the engine's queue or on the server-side list.
-        self.stats = {**stats, "waiting": stats["waiting"] + self._num_queued, "in_flight": len(self._routes)}
-
-    def _close(self, engine: LLMEngine) -> None:
-        """On exit: fail submits never processed, abort what is in flight."""
-        with self._lock:  # after this, `submit` refuses instead of queueing into the void
-            self._stopping = True
-            pending = []
-            while not self._commands.empty():
-                pending.append(self._commands.get_nowait())
-        for command in pending:
-            if isinstance(command, _Add) and command.accepted.set_running_or_notify_cancel():
-                command.accepted.set_exception(EngineUnavailable("the server is shutting down"))
-        try:
-            self._abort(engine, list(self._routes))
-            if engine.has_unfinished_requests():
-                self._step(engine)  # hands the aborts' final outputs to their callers
-        except Exception:
-            logger.exception("aborting in-flight requests at shutdown failed")
-        self._fail_all(engine, "the server is shutting down")  # whatever the last step did not end
-        engine.shutdown()  # tensor-parallel workers stop with the engine thread
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:
+            pass  # that event loop is closed: nobody is waiting for these outputs
 
 
 def _merge_queued(items: list[RequestOutput | RequestFailed]) -> list[RequestOutput | RequestFailed]:

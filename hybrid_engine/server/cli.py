@@ -1,6 +1,7 @@
 """`serve_hybrid.py` command line: engine flags, server flags, start-up and clean shutdown."""
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -82,6 +83,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="with --tensor-parallel-size: MoE layers hold whole experts per GPU instead of a slice "
                         "of every expert")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine loop in a process of its own, so that HTTP work never holds the "
+                        "interpreter lock the engine's step needs (docs/server.md; default: on); "
+                        "--no-engine-process runs it on a thread of the server process")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     args = p.parse_args(argv)
     if args.tensor_parallel_size < 1:
@@ -229,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     sockets: list[socket.socket] = []
     try:
         sockets = _bind_sockets(args.host, args.port)
-        llm = AsyncLLM(lambda: LLMEngine(config), max_waiting_requests=args.max_waiting_requests,
-                       max_prompts_per_request=args.max_prompts_per_request)
+        llm = AsyncLLM(functools.partial(LLMEngine, config), max_waiting_requests=args.max_waiting_requests,
+                       max_prompts_per_request=args.max_prompts_per_request, engine_process=args.engine_process)
     except _START_ERRORS as exc:
         for sock in sockets:
             sock.close()
@@ -240,10 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     served = args.served_model_name or info.model_name
     logger.info(
         "serving %r (model %s) on http://%s:%d | device=%s dtype=%s kernels=%s | capacity: %d concurrent requests "
-        "(+%d waiting, at most %d prompts per request), %d KV tokens (%d blocks x %d), max context %d tokens",
+        "(+%d waiting, at most %d prompts per request), %d KV tokens (%d blocks x %d), max context %d tokens | "
+        "engine %s",
         served, info.model_name, args.host, args.port, info.device, info.dtype, info.kernels, info.max_num_seqs,
         args.max_waiting_requests, llm.max_prompts_per_request, info.kv_tokens, info.total_kv_blocks,
         info.kv_block_size, info.max_request_tokens,
+        "on a thread" if llm.engine_pid is None else f"process {llm.engine_pid}",
     )
     # uvicorn handles SIGTERM/SIGINT while serving (stop accepting, let open requests
     # finish for --shutdown-timeout, after which _DrainingServer aborts the rest in the

@@ -31,7 +31,8 @@ from hybrid_engine.prompts import check_max_tokens, check_params, check_prompt, 
 from hybrid_engine.request import RequestOutput
 from hybrid_engine.sampling import derive_seed
 from hybrid_engine.sampling_params import SamplingParams
-from hybrid_engine.server.async_llm import AsyncLLM, EngineUnavailable, Generation, QueueFull, RequestFailed
+from hybrid_engine.server.async_llm import AsyncLLM, EngineUnavailable, Generation, RequestFailed
+from hybrid_engine.server.engine_core import QueueFull
 from hybrid_engine.server.errors import RATE_LIMIT, SERVER_ERROR, APIError, invalid_input
 from hybrid_engine.server.protocol import (ChatCompletionResponse, CompletionResponse, PromptTokensDetails,
                                            SamplingRequest, UsageInfo)

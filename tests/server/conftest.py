@@ -5,6 +5,7 @@ engine plus switches the tests flip to inject failures; `start_subprocess_server
 runs `scripts/serve_hybrid.py` itself (CLI, signals, exit code).
 """
 import contextlib
+import functools
 import json
 import os
 import resource
@@ -21,6 +22,7 @@ from typing import BinaryIO, Callable, Iterator
 
 import httpx
 import pytest
+import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -68,7 +70,7 @@ class Server:
 
     url: str
     llm: AsyncLLM
-    engine: LLMEngine
+    engine: LLMEngine | None  # None when it runs in its own process
 
     def metrics(self) -> dict[str, float]:
         """/metrics as {"name{label=value}": value} (labels sorted, counters with _total)."""
@@ -172,11 +174,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ProcessEngine(LLMEngine):
+    """LLMEngine for a server whose engine runs in a process of its own (`engine_process`),
+    built through `process_engine`: it runs with this test session's intra-op threads (a
+    spawned process starts with torch's default; tests/conftest.py says why tests use
+    fewer), and sleeps `step_delay` seconds before each step."""
+
+    def __init__(self, config: EngineConfig, num_threads: int, step_delay: float):
+        torch.set_num_threads(num_threads)
+        super().__init__(config)
+        self.step_delay = step_delay
+
+    def step(self):
+        time.sleep(self.step_delay)
+        return super().step()
+
+
+def process_engine(config: EngineConfig, step_delay: float = 0.0) -> Callable[[], LLMEngine]:
+    """A picklable factory of a `ProcessEngine`."""
+    return functools.partial(ProcessEngine, config, torch.get_num_threads(), step_delay)
+
+
 @contextlib.contextmanager
 def serve_in_thread(engine_factory: Callable[[], LLMEngine], max_waiting_requests: int = 256,
                     limits: ServerLimits = ServerLimits()) -> Iterator[Server]:
-    """A uvicorn server for `build_app` in a background thread, on a socket bound up front,
-    configured as the CLI configures it (`uvicorn_config`)."""
+    """A uvicorn server for `build_app` in a background thread, its engine on a thread of
+    this process (`Server.engine` reaches it)."""
     engines: list[LLMEngine] = []
 
     def build() -> LLMEngine:  # runs on the engine thread; keep a handle for the switches
@@ -184,6 +207,23 @@ def serve_in_thread(engine_factory: Callable[[], LLMEngine], max_waiting_request
         return engines[0]
 
     llm = AsyncLLM(build, max_waiting_requests=max_waiting_requests)
+    with _serve(llm, limits) as url:
+        yield Server(url, llm, engines[0])
+
+
+@contextlib.contextmanager
+def serve_engine_process(engine_factory: Callable[[], LLMEngine]) -> Iterator[Server]:
+    """A uvicorn server for `build_app` in a background thread, its engine in a process of
+    its own (`engine_factory` picklable; `Server.engine` is None)."""
+    llm = AsyncLLM(engine_factory, engine_process=True)
+    with _serve(llm, ServerLimits()) as url:
+        yield Server(url, llm, None)
+
+
+@contextlib.contextmanager
+def _serve(llm: AsyncLLM, limits: ServerLimits) -> Iterator[str]:
+    """Serve `llm` from a uvicorn thread on a socket bound up front, configured as the CLI
+    configures it (`uvicorn_config`); yields the base URL. The engine is shut down after."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -193,11 +233,12 @@ def serve_in_thread(engine_factory: Callable[[], LLMEngine], max_waiting_request
     thread.start()
     wait_until(lambda: server.started, what="the test server to start")
     try:
-        yield Server(f"http://127.0.0.1:{port}", llm, engines[0])
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(30)
         sock.close()
+        llm.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,18 @@ def _children(pid: int) -> list[int]:
     return children
 
 
+def _workers(server_pid: int) -> list[int]:
+    """The tensor-parallel worker processes below the server (its engine process starts them)."""
+    found, todo = [], _children(server_pid)
+    while todo:
+        pid = todo.pop()
+        todo += _children(pid)
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"hybrid_engine.parallel.worker" in f.read():
+                found.append(pid)
+    return found
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -36,7 +48,7 @@ def test_tensor_parallel_server_serves_then_reports_a_dead_worker():
         [PROMPT], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)[0].text
     with start_subprocess_server("--device", "cpu", "--max-model-len", "128", "--tensor-parallel-size", "2") as (
             url, proc):
-        workers = _children(proc.pid)
+        workers = _workers(proc.pid)
         assert len(workers) == 1
         body = {"model": EMBEDDED_MODEL_NAME, "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
@@ -59,7 +71,7 @@ def test_tensor_parallel_server_serves_then_reports_a_dead_worker():
 def test_tensor_parallel_server_exits_cleanly_with_its_workers():
     with start_subprocess_server("--device", "cpu", "--max-model-len", "128", "--tensor-parallel-size", "2") as (
             url, proc):
-        workers = _children(proc.pid)
+        workers = _workers(proc.pid)
         r = httpx.post(f"{url}/v1/completions", json={"model": EMBEDDED_MODEL_NAME, "prompt": PROMPT, "max_tokens": 4}, timeout=60)
         assert r.status_code == 200
         proc.send_signal(signal.SIGTERM)

@@ -1,0 +1,170 @@
+"""The server with its engine in a process of its own (`AsyncLLM(engine_process=True)`, what
+`serve_hybrid.py` runs by default): the same answers as the engine on a thread, streams,
+aborts and metrics across the process boundary, start-up errors, a killed engine process,
+and no engine process left behind by a server that exits or is killed."""
+import functools
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from hybrid_engine.config import EngineConfig
+from hybrid_engine.engine import LLMEngine
+from hybrid_engine.models.config import ConfigError
+from hybrid_engine.server.async_llm import AsyncLLM
+from tests.server.conftest import (MAX_MODEL_LEN, Server, process_engine, serve_engine_process, serve_in_thread,
+                                   start_subprocess_server,
+                                   wait_until)
+
+CONFIG = EngineConfig(device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN)
+
+BODIES = [
+    ("/v1/completions", {"prompt": ["Hello", "abc", "Hello"], "max_tokens": 12, "temperature": 0.0,
+                         "ignore_eos": True}),
+    ("/v1/completions", {"prompt": "seeded", "max_tokens": 16, "temperature": 0.9, "seed": 11, "logprobs": 2,
+                         "n": 2, "ignore_eos": True}),
+    ("/v1/completions", {"prompt": "stop here", "max_tokens": 30, "temperature": 1.0, "seed": 2, "stop": ["e", "a"],
+                         "ignore_eos": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, "temperature": 0.7,
+                              "seed": 4, "logprobs": True, "top_logprobs": 2, "ignore_eos": True}),
+]
+
+
+@pytest.fixture(scope="module")
+def process_server() -> Server:
+    with serve_engine_process(process_engine(CONFIG)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def thread_server() -> Server:
+    """The same engine on a thread of this process, sent the same requests in the same order
+    (so that both prefix caches hold the same prefixes)."""
+    with serve_in_thread(lambda: LLMEngine(CONFIG)) as s:
+        yield s
+
+
+def _answer(url: str, path: str, body: dict) -> dict:
+    """The response without its per-call fields (id, created)."""
+    r = httpx.post(f"{url}{path}", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return {k: v for k, v in r.json().items() if k not in ("id", "created")}
+
+
+def _stream(url: str, path: str, body: dict) -> list[dict]:
+    """A streamed response's events (without id, created), up to [DONE]."""
+    events = []
+    with httpx.stream("POST", f"{url}{path}", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append({k: v for k, v in json.loads(line[6:]).items() if k not in ("id", "created")})
+    return events
+
+
+def _text_by_choice(events: list[dict]) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    for event in events:
+        for choice in event["choices"]:
+            piece = choice.get("text", choice.get("delta", {}).get("content")) or ""
+            texts[choice["index"]] = texts.get(choice["index"], "") + piece
+    return texts
+
+
+@pytest.mark.parametrize("path,body", BODIES)
+def test_answers_equal_the_engine_on_a_thread(process_server: Server, thread_server: Server, path: str, body: dict):
+    """Greedy, seeded with logprobs and n, stop strings, chat: the same response as the
+    engine on a thread of the server process, and streams that spell the same texts."""
+    expected = _answer(thread_server.url, path, body)
+    assert _answer(process_server.url, path, body) == expected
+    texts = _text_by_choice(_stream(process_server.url, path, body))
+    assert texts == _text_by_choice(_stream(thread_server.url, path, body))
+    key = "text" if path == "/v1/completions" else "message"
+    assert texts == {c["index"]: c[key] if key == "text" else c[key]["content"] for c in expected["choices"]}
+
+
+def test_metrics_and_aborts_cross_the_process_boundary(process_server: Server):
+    """A client that hangs up mid-stream aborts its request in the engine process; the
+    step histogram, token and finish counters fill; the pools end free."""
+    before = process_server.metrics()
+    body = {"prompt": "long", "max_tokens": 100, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{process_server.url}/v1/completions", json=body, timeout=60) as r:
+        next(line for line in r.iter_lines() if line.startswith("data: "))
+    wait_until(process_server.idle_and_free, what="the aborted request to free its resources")
+    after = process_server.metrics()
+    assert after["hybrid_engine_requests_total{finish_reason=abort}"] == \
+        before.get("hybrid_engine_requests_total{finish_reason=abort}", 0) + 1
+    assert after["hybrid_engine_step_seconds_count"] > before.get("hybrid_engine_step_seconds_count", 0)
+    assert after["hybrid_engine_generation_tokens_total"] > before.get("hybrid_engine_generation_tokens_total", 0)
+    assert after["hybrid_engine_engine_steps_total"] >= after["hybrid_engine_step_seconds_count"]
+
+
+def test_a_bad_model_fails_the_start_with_its_error(tmp_path):
+    """The engine process's construction error is raised by the constructor, as its type
+    (the CLI prints start-up ValueErrors as "cannot start: ...")."""
+    with pytest.raises(ConfigError, match="no config.json"):
+        AsyncLLM(functools.partial(LLMEngine, EngineConfig(model=str(tmp_path), device="cpu")), engine_process=True)
+
+
+def test_killed_engine_process_fails_in_flight_then_503():
+    """SIGKILL of the engine process: the stream in flight ends with an error event naming
+    the exit, and the server answers 503 from then on (instead of queueing for nobody)."""
+    with serve_engine_process(process_engine(CONFIG, step_delay=0.05)) as server:
+        body = {"prompt": "long", "max_tokens": 100, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            os.kill(server.llm.engine_pid, signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][6:])["error"]
+        assert "the engine process exited (exit code -9)" in error["message"]
+        wait_until(lambda: httpx.get(f"{server.url}/health").status_code == 503, what="/health to say 503")
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+
+
+def _engine_process(server_pid: int) -> int:
+    """The server's engine process (the spawned child; the other is multiprocessing's resource tracker)."""
+    (pid,) = [pid for pid in _children(server_pid) if b"spawn_main" in _cmdline(pid)]
+    return pid
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            children += [int(p) for p in f.read().split()]
+    return children
+
+
+def _cmdline(pid: int) -> bytes:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read()
+
+
+def _exited(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] == "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+def test_no_engine_process_outlives_the_server(how: signal.Signals):
+    """SIGTERM: the server drains and stops its engine process; SIGKILL: the engine process
+    sees its command pipe close and exits by itself (it would hold the GPU otherwise)."""
+    with start_subprocess_server("--device", "cpu", "--max-model-len", "128") as (url, proc):
+        engine = _engine_process(proc.pid)
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60).status_code == 200
+        proc.send_signal(how)
+        proc.wait(timeout=60)
+        assert proc.returncode == (0 if how == signal.SIGTERM else -signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while not _exited(engine) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _exited(engine)
