@@ -25,7 +25,7 @@ from hybrid_engine.request import RequestOutput
 from hybrid_engine.sampling_params import ParameterError, SamplingParams
 from hybrid_engine.server.engine_core import (Abort, Accepted, AddCall, EngineInfo, Failure, OutputDelta, QueueFull,
                                               Report, StartFailed, Started, StepReport, Stop, Stopped)
-from hybrid_engine.server.engine_host import EngineHost, EngineProcess, EngineThread
+from hybrid_engine.server.engine_host import EngineHost, EngineProcess, EngineProcessDied, EngineThread
 from hybrid_engine.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -153,7 +153,11 @@ class AsyncLLM:
         self._start_error: BaseException | None = None
         host = EngineProcess if engine_process else EngineThread
         self._host: EngineHost = host(engine_factory, max_waiting_requests, self._on_report)
-        self._started.wait()
+        try:
+            self._started.wait()
+        except BaseException:  # e.g. SystemExit from a signal while the model loads
+            self._host.join(0.0)  # an engine process still loading exits at once
+            raise
         if self._start_error is not None:
             self._host.join(10.0)
             raise self._start_error
@@ -245,6 +249,10 @@ class AsyncLLM:
             self._gone, self._start_error = True, report.error
             self._started.set()
         elif isinstance(report, Stopped):
+            if not self._started.is_set():  # it stopped before it could say it started
+                self._gone, self._start_error = True, EngineProcessDied(report.reason or "the engine stopped")
+                self._started.set()
+                return
             self._on_stopped(report)
 
     def _on_accepted(self, report: Accepted) -> None:
@@ -289,6 +297,9 @@ class AsyncLLM:
         with self._lock:
             self._gone = True
             pending, self._pending = self._pending, {}
+            for call in pending.values():  # their submits raise instead
+                for rid in call.request_ids:
+                    del self._streams[rid]
             streams = list(self._streams.items())
             self._streams.clear()
         for call in pending.values():

@@ -18,6 +18,7 @@ from hybrid_engine.engine import LLMEngine
 from hybrid_engine.server.api import build_app
 from hybrid_engine.server.async_llm import AsyncLLM
 from hybrid_engine.server.connections import quiet_connection_logs, uvicorn_config
+from hybrid_engine.server.engine_host import EngineProcessDied
 from hybrid_engine.server.limits import ServerLimits
 from hybrid_engine.spec.config import SpeculativeConfig
 
@@ -218,8 +219,9 @@ def _bind_sockets(host: str, port: int) -> list[socket.socket]:
 
 
 # Start-up failures that are the operator's to fix (a bad flag, config, checkpoint, tokenizer
-# file or address, too little memory): reported in one line, not as a traceback.
-_START_ERRORS = (ValueError, OSError, torch.OutOfMemoryError)
+# file or address, too little memory, an engine process killed while loading): reported in
+# one line, not as a traceback.
+_START_ERRORS = (ValueError, OSError, torch.OutOfMemoryError, EngineProcessDied)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     "cannot start: <reason>" on stderr and exits 2."""
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # Loading can take a while; a signal meanwhile simply exits.
+    # Loading can take a while; a signal meanwhile simply exits (stopping the engine process).
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_now)
     config = engine_config(args)
@@ -241,29 +243,28 @@ def main(argv: list[str] | None = None) -> int:
             sock.close()
         print(f"cannot start: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
-    info = llm.info
-    served = args.served_model_name or info.model_name
-    logger.info(
-        "serving %r (model %s) on http://%s:%d | device=%s dtype=%s kernels=%s | capacity: %d concurrent requests "
-        "(+%d waiting, at most %d prompts per request), %d KV tokens (%d blocks x %d), max context %d tokens | "
-        "engine %s",
-        served, info.model_name, args.host, args.port, info.device, info.dtype, info.kernels, info.max_num_seqs,
-        args.max_waiting_requests, llm.max_prompts_per_request, info.kv_tokens, info.total_kv_blocks,
-        info.kv_block_size, info.max_request_tokens,
-        "on a thread" if llm.engine_pid is None else f"process {llm.engine_pid}",
-    )
-    # uvicorn handles SIGTERM/SIGINT while serving (stop accepting, let open requests
-    # finish for --shutdown-timeout, after which _DrainingServer aborts the rest in the
-    # engine and they answer with finish_reason "abort", run the app's shutdown), then
-    # restores the previous handlers and re-raises the signal; a no-op handler makes
-    # that re-raise a clean exit 0 instead of a kill.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
-    config = uvicorn_config(build_app(llm, served, args.limits), args.limits, host=args.host, port=args.port,
-                            log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout + _ABORT_GRACE_S)
-    quiet_connection_logs()
-    server = _DrainingServer(config, llm, abort_after=args.shutdown_timeout)
-    try:
+    try:  # from here on, every way out stops the engine (and its process)
+        info = llm.info
+        served = args.served_model_name or info.model_name
+        logger.info(
+            "serving %r (model %s) on http://%s:%d | device=%s dtype=%s kernels=%s | capacity: %d concurrent "
+            "requests (+%d waiting, at most %d prompts per request), %d KV tokens (%d blocks x %d), max context %d "
+            "tokens | engine %s",
+            served, info.model_name, args.host, args.port, info.device, info.dtype, info.kernels, info.max_num_seqs,
+            args.max_waiting_requests, llm.max_prompts_per_request, info.kv_tokens, info.total_kv_blocks,
+            info.kv_block_size, info.max_request_tokens,
+            "on a thread" if llm.engine_pid is None else f"process {llm.engine_pid}",
+        )
+        # uvicorn handles SIGTERM/SIGINT while serving (stop accepting, let open requests
+        # finish for --shutdown-timeout, after which _DrainingServer aborts the rest in the
+        # engine and they answer with finish_reason "abort", run the app's shutdown), then
+        # restores the previous handler (`_exit_now`, so a signal before uvicorn took over
+        # exits too) and re-raises the signal: a clean exit 0.
+        http_config = uvicorn_config(build_app(llm, served, args.limits), args.limits, host=args.host, port=args.port,
+                                log_level=args.log_level,
+                                timeout_graceful_shutdown=args.shutdown_timeout + _ABORT_GRACE_S)
+        quiet_connection_logs()
+        server = _DrainingServer(http_config, llm, abort_after=args.shutdown_timeout)
         server.run(sockets=sockets)
     finally:
         llm.shutdown()

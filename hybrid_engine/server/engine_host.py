@@ -12,8 +12,10 @@ Both hosts carry the same messages (`engine_core.py`): commands in, reports out 
 `on_report` callback, which runs on the core's thread (`EngineThread`) or on the
 receiving thread (`EngineProcess`), one report at a time, in order.
 """
+import atexit
 import logging
 import multiprocessing
+import os
 import pickle
 import queue
 import signal
@@ -38,10 +40,11 @@ def run_core(engine_factory: EngineFactory, max_waiting_requests: int, commands:
     until `Stop`; the loop reports `Stopped` last."""
     try:
         core = EngineCore(engine_factory(), max_waiting_requests, emit)
+        started = Started(core.info, core.stats())
     except BaseException as exc:  # noqa: BLE001 -- handed to the constructing side
         emit(StartFailed(exc))
         return
-    emit(Started(core.info, core.stats()))
+    emit(started)
     core.run(commands)
 
 
@@ -86,13 +89,19 @@ class EngineThread(EngineHost):
         self._thread.join(timeout)
 
 
+class EngineProcessDied(RuntimeError):
+    """The engine process exited without being told to (killed, out of memory, crashed)."""
+
+
 class EngineProcess(EngineHost):
     """The core in a child process (spawned: CUDA cannot be forked), talking over two pipes.
 
     `engine_factory` must be picklable (e.g. `functools.partial(LLMEngine, config)`). The
     child ignores SIGINT and SIGTERM -- the server decides when it stops -- and exits when
-    told to or when its command pipe closes (the server died). If the child dies, the
-    receiving thread reports `Stopped` (or `StartFailed`) with its exit code.
+    told to or when its command pipe closes: at once if the engine is still loading, after
+    aborting what is in flight otherwise. This process closes that pipe on every way out,
+    `shutdown` or not (an exit handler), so no engine process outlives its server. If the
+    child dies, the receiving thread reports `Stopped` (or `StartFailed`) with its exit code.
     """
 
     def __init__(self, engine_factory: EngineFactory, max_waiting_requests: int, on_report: ReportHandler):
@@ -107,31 +116,57 @@ class EngineProcess(EngineHost):
         command_reader.close()  # the child holds these ends: EOF here once it exits
         report_writer.close()
         self._send_lock = threading.Lock()
+        self._reap_lock = threading.Lock()  # one thread at a time waits for the child
+        self._closed = False
+        # Before multiprocessing's own exit handler (registered earlier, so run later),
+        # which would wait forever for a child that waits for its pipe to close.
+        atexit.register(self.join, 10.0)
         self._receiver = threading.Thread(target=self._receive, args=(on_report,), name="engine-reports", daemon=True)
         self._receiver.start()
 
     def send(self, command: Command) -> None:
         with self._send_lock:
+            if self._closed:
+                return
             try:
                 self._command_writer.send(command)
-            except (BrokenPipeError, ConnectionResetError, OSError):
+            except OSError:  # BrokenPipeError and kin: the child is gone, its requests already failed
                 logger.debug("engine process gone; dropped %s", type(command).__name__)
 
     @property
     def alive(self) -> bool:
-        return self._process.is_alive() and self._receiver.is_alive()
+        # The receiving thread ends when the child's reports end: it stopped, or died.
+        return not self._closed and self._receiver.is_alive()
 
     def join(self, timeout: float) -> None:
-        self._process.join(timeout)
-        if self._process.is_alive():
-            logger.error("the engine process did not stop within %.0f s: killing it", timeout)
-            self._process.kill()
-            self._process.join()
+        """Close the command pipe (the child stops: at once if still loading), wait up to
+        `timeout` seconds, then kill it; frees the pipes and the process handle."""
+        with self._send_lock:
+            if not self._closed:
+                self._command_writer.close()
+        with self._reap_lock:
+            if self._closed:
+                return
+            self._process.join(timeout)
+            if self._process.is_alive():
+                logger.error("the engine process did not stop within %.0f s: killing it", timeout)
+                self._process.kill()
+                self._process.join()
+            self._closed = True
+            self._process.close()
+        atexit.unregister(self.join)
         self._receiver.join(timeout)
 
+    def _exit_code(self) -> int | None:
+        with self._reap_lock:
+            if self._closed:
+                return None
+            self._process.join(5.0)
+            return self._process.exitcode
+
     def _receive(self, on_report: ReportHandler) -> None:
-        """Hand every report to `on_report`; when the pipe ends without `Stopped`, the child
-        died: say so."""
+        """Hand every report to `on_report`; when the pipe ends without `Stopped` (or a report
+        cannot be read), the child died: say so."""
         started = stopped = False
         try:
             while not stopped:
@@ -142,11 +177,12 @@ class EngineProcess(EngineHost):
                     on_report(report)
                 except Exception:  # a front-end bug must not stop the reports of other requests
                     logger.exception("handling an engine report failed")
-        except (EOFError, OSError):
-            self._process.join(5.0)
-            reason = f"the engine process exited (exit code {self._process.exitcode})"
+        except Exception as exc:  # EOFError: the child exited; anything else: its reports are unreadable
+            reason = f"the engine process exited (exit code {self._exit_code()})"
+            if not isinstance(exc, EOFError):
+                reason = f"reading the engine process's reports failed ({type(exc).__name__}: {exc})"
             logger.error("%s", reason)
-            on_report(Stopped(reason) if started else StartFailed(RuntimeError(f"{reason} while starting")))
+            on_report(Stopped(reason) if started else StartFailed(EngineProcessDied(f"{reason} while starting")))
         finally:
             self._report_reader.close()
 
@@ -159,16 +195,18 @@ def _child_main(engine_factory: EngineFactory, max_waiting_requests: int, comman
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     commands: "queue.Queue[Command]" = queue.Queue()
+    outbox = _Outbox(report_writer, on_gone=lambda: commands.put(Stop()))
 
     def pump() -> None:
         try:
             while True:
                 commands.put(command_reader.recv())
         except (EOFError, OSError):  # the server closed its end (it stopped, or died)
+            if not outbox.started:  # nobody will use the engine being built: free its memory now
+                os._exit(0)
             commands.put(Stop())
 
     threading.Thread(target=pump, name="engine-commands", daemon=True).start()
-    outbox = _Outbox(report_writer, on_gone=lambda: commands.put(Stop()))
     sender = threading.Thread(target=outbox.run, name="engine-reports", daemon=True)
     sender.start()
     run_core(engine_factory, max_waiting_requests, commands, outbox.put)
@@ -187,11 +225,13 @@ class _Outbox:
         self._writer, self._on_gone = writer, on_gone
         self._reports: list[Report] = []
         self._ready = threading.Condition()
+        self.started = False  # `Started` was queued: the engine is built
 
     def put(self, report: Report) -> None:
         """Queue a report (the engine thread; never blocks on the pipe)."""
         with self._ready:
             self._reports.append(report)
+            self.started = self.started or isinstance(report, Started)
             self._ready.notify()
 
     def run(self) -> None:
@@ -234,11 +274,11 @@ def _coalesce(reports: list[Report]) -> list[Report]:
 
 
 def portable(exc: BaseException) -> BaseException:
-    """`exc` if it survives pickling, else a ValueError or RuntimeError with its type and
-    message (what the front end maps to HTTP answers and start-up errors)."""
+    """`exc` if it survives pickling, else a ValueError, OSError or RuntimeError with its type
+    and message (the classes the front end maps to HTTP answers and start-up errors)."""
     try:
         pickle.loads(pickle.dumps(exc))
         return exc
     except Exception:  # an exception type that cannot be rebuilt from its pickle
-        kind = ValueError if isinstance(exc, ValueError) else RuntimeError
+        kind = next((kind for kind in (ValueError, OSError) if isinstance(exc, kind)), RuntimeError)
         return kind(f"{type(exc).__name__}: {exc}")

@@ -178,21 +178,37 @@ class ProcessEngine(LLMEngine):
     """LLMEngine for a server whose engine runs in a process of its own (`engine_process`),
     built through `process_engine`: it runs with this test session's intra-op threads (a
     spawned process starts with torch's default; tests/conftest.py says why tests use
-    fewer), and sleeps `step_delay` seconds before each step."""
+    fewer), takes `start_delay` seconds longer to build, sleeps `step_delay` seconds before
+    each step, and raises from the steps numbered in `fail_steps` (counted from 0)."""
 
-    def __init__(self, config: EngineConfig, num_threads: int, step_delay: float):
+    def __init__(self, config: EngineConfig, num_threads: int, step_delay: float, start_delay: float,
+                 fail_steps: tuple[int, ...]):
         torch.set_num_threads(num_threads)
+        time.sleep(start_delay)
         super().__init__(config)
-        self.step_delay = step_delay
+        self.step_delay, self.fail_steps, self.num_steps = step_delay, fail_steps, 0
 
     def step(self):
+        self.num_steps += 1
+        if self.num_steps - 1 in self.fail_steps:
+            raise RuntimeError("injected step failure")
         time.sleep(self.step_delay)
         return super().step()
 
 
-def process_engine(config: EngineConfig, step_delay: float = 0.0) -> Callable[[], LLMEngine]:
+class UnsendableEngine(LLMEngine):
+    """LLMEngine whose tokenizer copies but does not pickle: its engine process cannot send
+    the server its `EngineInfo`."""
+
+    def __init__(self, config: EngineConfig):
+        super().__init__(config)
+        self.tokenizer.unpicklable = lambda: None
+
+
+def process_engine(config: EngineConfig, step_delay: float = 0.0, start_delay: float = 0.0,
+                   fail_steps: tuple[int, ...] = ()) -> Callable[[], LLMEngine]:
     """A picklable factory of a `ProcessEngine`."""
-    return functools.partial(ProcessEngine, config, torch.get_num_threads(), step_delay)
+    return functools.partial(ProcessEngine, config, torch.get_num_threads(), step_delay, start_delay, fail_steps)
 
 
 @contextlib.contextmanager

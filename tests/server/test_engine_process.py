@@ -6,6 +6,8 @@ import functools
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -15,8 +17,9 @@ from hybrid_engine.config import EngineConfig
 from hybrid_engine.engine import LLMEngine
 from hybrid_engine.models.config import ConfigError
 from hybrid_engine.server.async_llm import AsyncLLM
-from tests.server.conftest import (MAX_MODEL_LEN, Server, process_engine, serve_engine_process, serve_in_thread,
-                                   start_subprocess_server,
+from hybrid_engine.server.engine_host import EngineProcessDied
+from tests.server.conftest import (MAX_MODEL_LEN, REPO, Server, UnsendableEngine, process_engine,
+                                   serve_engine_process, serve_in_thread, start_subprocess_server,
                                    wait_until)
 
 CONFIG = EngineConfig(device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN)
@@ -35,7 +38,9 @@ BODIES = [
 
 @pytest.fixture(scope="module")
 def process_server() -> Server:
-    with serve_engine_process(process_engine(CONFIG)) as s:
+    """The engine in its own process, 10 ms per step (so a request of 100 tokens is still
+    running when its client hangs up)."""
+    with serve_engine_process(process_engine(CONFIG, step_delay=0.01)) as s:
         yield s
 
 
@@ -65,25 +70,35 @@ def _stream(url: str, path: str, body: dict) -> list[dict]:
     return events
 
 
-def _text_by_choice(events: list[dict]) -> dict[int, str]:
-    texts: dict[int, str] = {}
+def _by_choice(events: list[dict]) -> dict[int, tuple[str, list]]:
+    """Per choice index: the streamed text, and the logprobs entries (completions: token and
+    logprob pairs; chat: the content entries), in order."""
+    choices: dict[int, tuple[str, list]] = {}
     for event in events:
         for choice in event["choices"]:
+            text, logprobs = choices.get(choice["index"], ("", []))
             piece = choice.get("text", choice.get("delta", {}).get("content")) or ""
-            texts[choice["index"]] = texts.get(choice["index"], "") + piece
-    return texts
+            entries = choice.get("logprobs") or {}
+            if "tokens" in entries:
+                entries = list(zip(entries["tokens"], entries["token_logprobs"]))
+            else:
+                entries = entries.get("content") or []
+            choices[choice["index"]] = (text + piece, logprobs + entries)
+    return choices
 
 
 @pytest.mark.parametrize("path,body", BODIES)
 def test_answers_equal_the_engine_on_a_thread(process_server: Server, thread_server: Server, path: str, body: dict):
     """Greedy, seeded with logprobs and n, stop strings, chat: the same response as the
-    engine on a thread of the server process, and streams that spell the same texts."""
+    engine on a thread of the server process, and streams with the same texts and logprobs."""
     expected = _answer(thread_server.url, path, body)
     assert _answer(process_server.url, path, body) == expected
-    texts = _text_by_choice(_stream(process_server.url, path, body))
-    assert texts == _text_by_choice(_stream(thread_server.url, path, body))
+    streamed = _by_choice(_stream(process_server.url, path, body))
+    assert streamed == _by_choice(_stream(thread_server.url, path, body))
     key = "text" if path == "/v1/completions" else "message"
-    assert texts == {c["index"]: c[key] if key == "text" else c[key]["content"] for c in expected["choices"]}
+    assert {i: text for i, (text, _) in streamed.items()} == {
+        c["index"]: c[key] if key == "text" else c[key]["content"] for c in expected["choices"]}
+    assert any(logprobs for _, logprobs in streamed.values()) == ("logprobs" in body)
 
 
 def test_metrics_and_aborts_cross_the_process_boundary(process_server: Server):
@@ -107,6 +122,68 @@ def test_a_bad_model_fails_the_start_with_its_error(tmp_path):
     (the CLI prints start-up ValueErrors as "cannot start: ...")."""
     with pytest.raises(ConfigError, match="no config.json"):
         AsyncLLM(functools.partial(LLMEngine, EngineConfig(model=str(tmp_path), device="cpu")), engine_process=True)
+
+
+def test_an_engine_that_cannot_report_its_start_fails_the_start():
+    """The engine was built but its `Started` report could not be sent: the constructor
+    raises instead of waiting for it."""
+    with pytest.raises(EngineProcessDied, match="could not send a report"):
+        AsyncLLM(functools.partial(UnsendableEngine, CONFIG), engine_process=True)
+
+
+def test_a_failing_step_fails_its_requests_across_the_pipe():
+    """A step that raises in the engine process fails the requests in flight (500 with the
+    error), and the server goes on serving."""
+    with serve_engine_process(process_engine(CONFIG, fail_steps=(3,))) as server:
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 20, "ignore_eos": True},
+                       timeout=60)
+        assert r.status_code == 500 and "engine step failed: RuntimeError: injected step failure" in r.text
+        server.assert_healthy()
+        wait_until(server.idle_and_free, what="the failed request's resources to return")
+        assert server.metrics()["hybrid_engine_requests_total{finish_reason=error}"] == 1
+
+
+_STARTER = """
+import functools, signal, sys
+sys.path.insert(0, {repo!r})
+from hybrid_engine.config import EngineConfig
+from hybrid_engine.server.async_llm import AsyncLLM
+from hybrid_engine.server.engine_host import EngineProcessDied
+from tests.server.conftest import process_engine
+def leave(*_):
+    raise SystemExit(3)
+signal.signal(signal.SIGTERM, leave)
+config = EngineConfig(device="cpu", dtype="float32", max_model_len=128)
+llm = AsyncLLM(process_engine(config, start_delay={start_delay}), engine_process=True)
+print(llm.engine_pid, flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["signal while loading", "exit without shutdown"])
+def test_no_engine_process_outlives_its_python_process(how: str):
+    """A program that leaves while its engine process is still loading (a signal during a
+    long load), or without calling `shutdown()`, exits at once, and its engine process with it."""
+    loading = how == "signal while loading"
+    code = _STARTER.format(repo=str(REPO), start_delay=600.0 if loading else 0.0)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        if loading:
+            wait_until(lambda: [p for p in _children(proc.pid) if b"spawn_main" in _cmdline(p)],
+                       what="the engine process to start")
+            engine = _engine_process(proc.pid)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 3
+        else:
+            engine = int(proc.stdout.readline())
+            assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 30
+    while not _exited(engine) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _exited(engine)
 
 
 def test_killed_engine_process_fails_in_flight_then_503():
