@@ -167,6 +167,24 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 20.0, what: str =
         time.sleep(0.05)
 
 
+def child_processes(pid: int) -> list[int]:
+    """Child processes of `pid`, whichever of its threads started them (Linux /proc)."""
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            children += [int(p) for p in f.read().split()]
+    return children
+
+
+def process_alive(pid: int) -> bool:
+    """True while process `pid` runs (a zombie has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def free_port() -> int:
     """A TCP port free right now on 127.0.0.1."""
     with socket.socket() as s:

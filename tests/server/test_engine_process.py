@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -18,7 +17,8 @@ from hybrid_engine.engine import LLMEngine
 from hybrid_engine.models.config import ConfigError
 from hybrid_engine.server.async_llm import AsyncLLM
 from hybrid_engine.server.engine_host import EngineProcessDied
-from tests.server.conftest import (MAX_MODEL_LEN, REPO, Server, UnsendableEngine, process_engine,
+from tests.server.conftest import (MAX_MODEL_LEN, REPO, Server, UnsendableEngine, child_processes, process_alive,
+                                   process_engine,
                                    serve_engine_process, serve_in_thread, start_subprocess_server,
                                    wait_until)
 
@@ -169,7 +169,7 @@ def test_no_engine_process_outlives_its_python_process(how: str):
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         if loading:
-            wait_until(lambda: [p for p in _children(proc.pid) if b"spawn_main" in _cmdline(p)],
+            wait_until(lambda: [p for p in child_processes(proc.pid) if b"spawn_main" in _cmdline(p)],
                        what="the engine process to start")
             engine = _engine_process(proc.pid)
             proc.send_signal(signal.SIGTERM)
@@ -180,10 +180,7 @@ def test_no_engine_process_outlives_its_python_process(how: str):
     finally:
         if proc.poll() is None:
             proc.kill()
-    deadline = time.monotonic() + 30
-    while not _exited(engine) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _exited(engine)
+    wait_until(lambda: not process_alive(engine), timeout=30, what="the engine process to exit")
 
 
 def test_killed_engine_process_fails_in_flight_then_503():
@@ -206,29 +203,13 @@ def test_killed_engine_process_fails_in_flight_then_503():
 
 def _engine_process(server_pid: int) -> int:
     """The server's engine process (the spawned child; the other is multiprocessing's resource tracker)."""
-    (pid,) = [pid for pid in _children(server_pid) if b"spawn_main" in _cmdline(pid)]
+    (pid,) = [pid for pid in child_processes(server_pid) if b"spawn_main" in _cmdline(pid)]
     return pid
-
-
-def _children(pid: int) -> list[int]:
-    children = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            children += [int(p) for p in f.read().split()]
-    return children
 
 
 def _cmdline(pid: int) -> bytes:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         return f.read()
-
-
-def _exited(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] == "Z"  # a zombie has exited
-    except FileNotFoundError:
-        return True
 
 
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
@@ -241,7 +222,4 @@ def test_no_engine_process_outlives_the_server(how: signal.Signals):
         proc.send_signal(how)
         proc.wait(timeout=60)
         assert proc.returncode == (0 if how == signal.SIGTERM else -signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while not _exited(engine) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _exited(engine)
+    wait_until(lambda: not process_alive(engine), timeout=30, what="the engine process to exit")

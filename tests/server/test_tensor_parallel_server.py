@@ -9,38 +9,21 @@ import httpx
 
 from hybrid_engine import LLM, SamplingParams
 from hybrid_engine.models.embedded import EMBEDDED_MODEL_NAME
-from tests.server.conftest import start_subprocess_server, wait_until
+from tests.server.conftest import child_processes, process_alive, start_subprocess_server, wait_until
 
 PROMPT = "tensor parallel"
 
 
-def _children(pid: int) -> list[int]:
-    """Child processes of `pid`, whichever of its threads started them."""
-    children = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            children += [int(p) for p in f.read().split()]
-    return children
-
-
 def _workers(server_pid: int) -> list[int]:
     """The tensor-parallel worker processes below the server (its engine process starts them)."""
-    found, todo = [], _children(server_pid)
+    found, todo = [], child_processes(server_pid)
     while todo:
         pid = todo.pop()
-        todo += _children(pid)
+        todo += child_processes(pid)
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             if b"hybrid_engine.parallel.worker" in f.read():
                 found.append(pid)
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"  # a zombie has exited
-    except FileNotFoundError:
-        return False
 
 
 def test_tensor_parallel_server_serves_then_reports_a_dead_worker():
@@ -63,9 +46,9 @@ def test_tensor_parallel_server_serves_then_reports_a_dead_worker():
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     deadline = time.monotonic() + 10
-    while any(map(_alive, workers)) and time.monotonic() < deadline:
+    while any(map(process_alive, workers)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not any(map(_alive, workers))
+    assert not any(map(process_alive, workers))
 
 
 def test_tensor_parallel_server_exits_cleanly_with_its_workers():
@@ -76,4 +59,4 @@ def test_tensor_parallel_server_exits_cleanly_with_its_workers():
         assert r.status_code == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-    assert workers and not any(map(_alive, workers))
+    assert workers and not any(map(process_alive, workers))
