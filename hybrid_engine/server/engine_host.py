@@ -20,6 +20,7 @@ import pickle
 import queue
 import signal
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from multiprocessing.connection import Connection
 from typing import Callable
@@ -118,9 +119,11 @@ class EngineProcess(EngineHost):
         self._send_lock = threading.Lock()
         self._reap_lock = threading.Lock()  # one thread at a time waits for the child
         self._closed = False
+        self._exitcode: int | None = None
         # Before multiprocessing's own exit handler (registered earlier, so run later),
-        # which would wait forever for a child that waits for its pipe to close.
-        atexit.register(self.join, 10.0)
+        # which would wait forever for a child that waits for its pipe to close. A weak
+        # reference: a host collected after its child ended has nothing left to stop.
+        atexit.register(_join_at_exit, weakref.ref(self))
         self._receiver = threading.Thread(target=self._receive, args=(on_report,), name="engine-reports", daemon=True)
         self._receiver.start()
 
@@ -140,29 +143,40 @@ class EngineProcess(EngineHost):
 
     def join(self, timeout: float) -> None:
         """Close the command pipe (the child stops: at once if still loading), wait up to
-        `timeout` seconds, then kill it; frees the pipes and the process handle."""
-        with self._send_lock:
-            if not self._closed:
-                self._command_writer.close()
+        `timeout` seconds, then kill it; frees the pipes and the process handle. An interrupt
+        while waiting (a signal) kills at once rather than leaving the child behind."""
+        self._close_commands()
         with self._reap_lock:
             if self._closed:
                 return
-            self._process.join(timeout)
-            if self._process.is_alive():
-                logger.error("the engine process did not stop within %.0f s: killing it", timeout)
-                self._process.kill()
-                self._process.join()
-            self._closed = True
-            self._process.close()
-        atexit.unregister(self.join)
+            try:
+                self._process.join(timeout)
+            finally:
+                if self._process.is_alive():
+                    if timeout > 0:
+                        logger.error("the engine process did not stop within %.0f s: killing it", timeout)
+                    self._process.kill()
+                    self._process.join()
+                self._exitcode = self._process.exitcode
+                self._closed = True
+                self._process.close()
         self._receiver.join(timeout)
+
+    def _close_commands(self) -> None:
+        """Close the command pipe, unless a send is stuck on it (a child that stopped reading:
+        the kill that follows ends it)."""
+        if self._send_lock.acquire(timeout=1.0):
+            try:
+                self._command_writer.close()
+            finally:
+                self._send_lock.release()
 
     def _exit_code(self) -> int | None:
         with self._reap_lock:
-            if self._closed:
-                return None
-            self._process.join(5.0)
-            return self._process.exitcode
+            if not self._closed:
+                self._process.join(5.0)
+                self._exitcode = self._process.exitcode
+            return self._exitcode
 
     def _receive(self, on_report: ReportHandler) -> None:
         """Hand every report to `on_report`; when the pipe ends without `Stopped` (or a report
@@ -181,10 +195,18 @@ class EngineProcess(EngineHost):
             reason = f"the engine process exited (exit code {self._exit_code()})"
             if not isinstance(exc, EOFError):
                 reason = f"reading the engine process's reports failed ({type(exc).__name__}: {exc})"
+                self._close_commands()  # nobody hears it any more: it stops
             logger.error("%s", reason)
             on_report(Stopped(reason) if started else StartFailed(EngineProcessDied(f"{reason} while starting")))
         finally:
             self._report_reader.close()
+
+
+def _join_at_exit(host: "weakref.ref[EngineProcess]") -> None:
+    """At interpreter exit: stop a host's child that `shutdown` never stopped."""
+    process = host()
+    if process is not None:
+        process.join(10.0)
 
 
 def _child_main(engine_factory: EngineFactory, max_waiting_requests: int, command_reader: Connection,
