@@ -223,3 +223,12 @@ def test_no_engine_process_outlives_the_server(how: signal.Signals):
         proc.wait(timeout=60)
         assert proc.returncode == (0 if how == signal.SIGTERM else -signal.SIGKILL)
     wait_until(lambda: not process_alive(engine), timeout=30, what="the engine process to exit")
+
+
+def test_no_engine_process_flag_runs_the_engine_on_a_thread():
+    """`--no-engine-process`: the server starts no engine process, serves, and exits 0 on SIGTERM."""
+    with start_subprocess_server("--device", "cpu", "--max-model-len", "128", "--no-engine-process") as (url, proc):
+        assert not [pid for pid in child_processes(proc.pid) if b"spawn_main" in _cmdline(pid)]
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
