@@ -24,7 +24,7 @@ from hybrid_engine.engine import LLMEngine
 from hybrid_engine.request import RequestOutput
 from hybrid_engine.sampling_params import ParameterError, SamplingParams
 from hybrid_engine.server.engine_core import (Abort, Accepted, AddCall, EngineInfo, Failure, OutputDelta, QueueFull,
-                                              Report, StartFailed, Started, StepReport, Stop, Stopped)
+                                              Report, StartFailed, Started, StepReport, Stop, Stopped, fold_runs)
 from hybrid_engine.server.engine_host import EngineHost, EngineProcess, EngineProcessDied, EngineThread
 from hybrid_engine.server.metrics import ServerMetrics
 
@@ -329,28 +329,16 @@ def _deliver(deliveries: list[tuple[_Stream, RequestOutput | RequestFailed]]) ->
 
 def _merge_queued(items: list[RequestOutput | RequestFailed]) -> list[RequestOutput | RequestFailed]:
     """Items of one consumer's queue, each request's run of outputs folded into its latest
-    one (`RequestOutput.merge_earlier`), in the order each request first appears; a failure
-    is never merged, so outputs before it still reach the client. When the event loop falls
-    behind the engine (many streams, a fast model), this turns a backlog of per-step chunks
-    into one chunk per request instead of deepening it, as vLLM's output collector does."""
-    runs: list[list[RequestOutput | RequestFailed]] = []
-    open_run: dict[str, list[RequestOutput | RequestFailed]] = {}  # request id -> its run of outputs
-    for item in items:
-        run = open_run.get(item.request_id)
-        if run is not None and isinstance(item, RequestOutput):
-            run.append(item)
-            continue
-        runs.append([item])
-        if isinstance(item, RequestOutput):
-            open_run[item.request_id] = runs[-1]
-        else:
-            open_run.pop(item.request_id, None)
-    merged = []
-    for run in runs:
-        if len(run) > 1:
-            run[-1].merge_earlier(run[:-1])
-        merged.append(run[-1])
-    return merged
+    one (`fold_runs`, `RequestOutput.merge_earlier`); a failure is never folded. When the
+    event loop falls behind the engine (many streams, a fast model), this turns a backlog of
+    per-step chunks into one chunk per request instead of deepening it, as vLLM's output
+    collector does."""
+    return fold_runs(items, lambda item: isinstance(item, RequestOutput), _merge_run)
+
+
+def _merge_run(run: list[RequestOutput]) -> RequestOutput:
+    run[-1].merge_earlier(run[:-1])
+    return run[-1]
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:

@@ -27,7 +27,7 @@ import logging
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, TypeVar
 
 from hybrid_engine.engine import LLMEngine
 from hybrid_engine.prompts import RequestLimits, validate_request
@@ -172,30 +172,48 @@ class StepReport:
 
     @staticmethod
     def merged(reports: list["StepReport"]) -> "StepReport":
-        """Consecutive reports as one: each request's run of deltas folded into one (its
-        new tokens, text and logprobs joined; the rest from its latest), in the order each
-        request first appears; a failure is never folded. What the engine process sends when
-        the server reads its reports slower than the engine steps."""
-        items: list[OutputDelta | Failure] = []
-        open_delta: dict[str, int] = {}  # request id -> index in `items` of its delta to fold into
-        for item in (item for report in reports for item in report.items):
-            at = open_delta.get(item.request_id)
-            if at is None or isinstance(item, Failure):
-                open_delta.pop(item.request_id, None)
-                if isinstance(item, OutputDelta):
-                    open_delta[item.request_id] = len(items)
-                items.append(item)
-                continue
-            earlier = items[at]
-            logprobs = None if item.new_logprobs is None else earlier.new_logprobs + item.new_logprobs
-            items[at] = item._replace(new_token_ids=earlier.new_token_ids + item.new_token_ids,
-                                      new_text=earlier.new_text + item.new_text, new_logprobs=logprobs)
+        """Consecutive reports as one (`fold_runs`: each request's deltas joined into one, its
+        new tokens, text and logprobs concatenated, the rest from its latest). What the engine
+        process sends when the server reads its reports slower than the engine steps."""
+        items = fold_runs([item for report in reports for item in report.items],
+                          lambda item: isinstance(item, OutputDelta), _join_deltas)
         return StepReport(items, reports[-1].stats, [t for report in reports for t in report.step_seconds])
 
     def __reduce__(self):
         # The items cross the process boundary as plain tuples: pickling 128 NamedTuples
         # took ~110 us (each is rebuilt through its class), 128 plain tuples ~15 us.
         return _rebuild_step_report, ([tuple(item) for item in self.items], self.stats, self.step_seconds)
+
+
+def _join_deltas(run: list[OutputDelta]) -> OutputDelta:
+    """One request's consecutive deltas as one."""
+    logprobs = None if run[-1].new_logprobs is None else [row for d in run for row in d.new_logprobs]
+    return run[-1]._replace(new_token_ids=[t for d in run for t in d.new_token_ids],
+                            new_text="".join(d.new_text for d in run), new_logprobs=logprobs)
+
+
+T = TypeVar("T")
+
+
+def fold_runs(items: list[T], foldable: Callable[[T], bool], fold: Callable[[list[T]], T]) -> list[T]:
+    """`items` (each with a `request_id`) with each request's run of foldable items folded
+    into one by `fold`, in the order each run first appears. An item that is not foldable (a
+    failure) stands alone and ends its request's run, so that what came before it is still
+    delivered. Both ends of the engine use it when their reader falls behind: queued step
+    reports in the engine process, queued outputs in a stream's consumer."""
+    runs: list[list[T]] = []
+    open_run: dict[str, list[T]] = {}  # request id -> its run still open to folding
+    for item in items:
+        run = open_run.get(item.request_id)
+        if run is not None and foldable(item):
+            run.append(item)
+            continue
+        runs.append([item])
+        if foldable(item):
+            open_run[item.request_id] = runs[-1]
+        else:
+            open_run.pop(item.request_id, None)
+    return [run[0] if len(run) == 1 else fold(run) for run in runs]
 
 
 def _rebuild_step_report(rows: list[tuple], stats: dict[str, int], step_seconds: list[float]) -> StepReport:
