@@ -15,8 +15,9 @@ output. This script measures the difference on the peer's MLP layers, L x (up 40
 - `persistent`: one Triton kernel; each of its G programs owns I / G rows of every up
   projection and H / G rows of every down projection, reads the op's input vector after
   the barrier, and multiplies in float32 on the CUDA cores (a row is far too little for
-  the tensor cores); `prefetch` loads the program's next weight slab before it waits at
-  the barrier;
+  the tensor cores); one variant loads the program's next weight slab before it waits at
+  the barrier, another is a cooperative launch (the driver refuses it, rather than letting
+  it hang, when its programs cannot all be resident at once);
 - the grid barriers alone (64 per launch, no work between them).
 The weights (134 MB for 8 layers) are larger than the L2, so every call reads them from
 memory; the floor is their bytes over the device copy rate measured in the same run. Each
@@ -120,23 +121,26 @@ def run(layers: int, replays: int) -> None:
         for layer in range(layers):
             y = linear(linear_relu_square(y, up[layer]), down[layer])
 
-    def persistent(prefetch: bool) -> None:
+    def persistent(prefetch: bool, cooperative: bool = False) -> None:
         counter.zero_()
         _chain_kernel[(programs,)](x, up, down, hidden, out, counter, G=programs, L=layers, H=h, I=i,
-                                   RU=i // programs, RD=h // programs, PREFETCH=prefetch, num_warps=16)
+                                   RU=i // programs, RD=h // programs, PREFETCH=prefetch, num_warps=16,
+                                   launch_cooperative_grid=cooperative)
 
     def barriers() -> None:
         counter.zero_()
         _barriers_kernel[(programs,)](counter, N=BARRIERS, G=programs, num_warps=4)
 
     rows = [("ops: linear_relu_square + linear per layer, one CUDA graph", time_graph(ops_chain, replays))]
-    for prefetch in (False, True):
-        persistent(prefetch)
+    variants = {"": (False, False), ", next weights loaded before each barrier": (True, False),
+                ", a cooperative launch": (False, True)}
+    for label, (prefetch, cooperative) in variants.items():
+        persistent(prefetch, cooperative)
         torch.cuda.synchronize()
         error = check(x, up, down, hidden, out)
-        name = f"persistent, {programs} programs x 16 warps{', next weights loaded before each barrier' if prefetch else ''}"
+        name = f"persistent, {programs} programs x 16 warps{label}"
         print(f"{name}: largest error per op {error:.2e} (relative to the op's largest output)", flush=True)
-        rows.append((name, time_graph(lambda: persistent(prefetch), replays)))
+        rows.append((name, time_graph(lambda: persistent(prefetch, cooperative), replays)))
     barrier_us = time_graph(barriers, replays)
     weight_bytes = (up.numel() + down.numel()) * up.element_size()
     floor = weight_bytes / copy_bandwidth() * 1e6
