@@ -18,10 +18,17 @@ output. This script measures the difference on the peer's MLP layers, L x (up 40
   the tensor cores); one variant loads the program's next weight slab before it waits at
   the barrier, another is a cooperative launch (the driver refuses it, rather than letting
   it hang, when its programs cannot all be resident at once);
-- the grid barriers alone (64 per launch, no work between them).
-The weights (134 MB for 8 layers) are larger than the L2, so every call reads them from
-memory; the floor is their bytes over the device copy rate measured in the same run. Each
-persistent variant is checked op by op against float32 torch from its own inputs first.
+- the grid barriers alone (64 per launch, no work between them);
+- then the peer's Mamba-2 decode layer, L of them chained: our 4 kernels per layer
+  (`linear_conv_update`, `ssm_state_update`, `gated_rms_norm`, `linear`, as
+  `Mamba2Mixer` runs a decode step) against one persistent kernel with 3 barriers per
+  layer (in_proj with the conv update in 32-row tiles | the SSM update, 16 channels of a
+  head per program | the gated norm, computed whole by every program, and out_proj).
+The weights (134-135 MB for 8 layers) are larger than the L2, so every call reads them
+from memory; the floor is their bytes (and the Mamba states read and written) over the
+device copy rate measured in the same run. Each persistent MLP chain is checked op by op
+against float32 torch from its own inputs first, each persistent Mamba layer against our
+ops on the same input and starting states.
 This is a prototype kernel for the measurement (no model calls it): docs/benchmarks.md,
 "Session 21", says what the numbers mean for a decode megakernel.
 """
@@ -37,10 +44,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from decode_floors import copy_bandwidth  # noqa: E402
 
+from layers.kernels.triton.conv1d import conv_update_channels  # noqa: E402
 from layers.kernels.triton.device import sm_count  # noqa: E402
-from layers.kernels.triton.linear import linear, linear_relu_square  # noqa: E402
+from layers.kernels.triton.linear import linear, linear_conv_update, linear_relu_square  # noqa: E402
+from layers.kernels.triton.norm import gated_rms_norm  # noqa: E402
+from layers.kernels.triton.ssm_update import softplus, ssm_state_update  # noqa: E402
 
 HIDDEN, INTERMEDIATE = 1024, 4096  # the peer's MLP (scripts/bench_decode.py, PEER_CONFIG)
+# The peer's Mamba-2 mixer: 32 heads x 64, 8 groups, state 128, conv 4; in_proj makes z,
+# xBC (the conv channels: x, B, C) and dt; the gated norm's groups are 256 channels.
+HEADS, HEAD_DIM, GROUPS, STATE, CONV_K = 32, 64, 8, 128, 4
+D_SSM = HEADS * HEAD_DIM
+CONV_DIM = D_SSM + 2 * GROUPS * STATE
+IN_PROJ = D_SSM + CONV_DIM + HEADS
+NORM_EPS = 1e-5
 BARRIERS = 64  # in the barriers-only launch
 
 
@@ -82,6 +99,78 @@ def _chain_kernel(x_ptr, up_ptr, down_ptr, hidden_ptr, out_ptr, counter_ptr, G: 
             w2 = tl.load(down_tile)
         v2 = tl.load(hidden_ptr + layer * I + kd, cache_modifier=".cg").to(tl.float32)
         tl.store(out_ptr + layer * H + rd, tl.sum(w2.to(tl.float32) * v2[None, :], axis=1).to(tl.bfloat16))
+
+
+@triton.jit
+def _mamba_chain_kernel(
+    x_ptr, w_in_ptr, conv_w_ptr, conv_b_ptr, conv_state_ptr, a_ptr, d_ptr, dt_bias_ptr, norm_w_ptr, w_out_ptr,
+    ssm_state_ptr, zxbcdt_ptr, y_ptr, out_ptr, counter_ptr, eps,
+    G: tl.constexpr, L: tl.constexpr, H: tl.constexpr, NIN: tl.constexpr, DSSM: tl.constexpr, CONV: tl.constexpr,
+    NH: tl.constexpr, P: tl.constexpr, NG: tl.constexpr, NS: tl.constexpr, K: tl.constexpr, TILE: tl.constexpr,
+    BP: tl.constexpr, RO: tl.constexpr,
+):
+    """L Mamba-2 decode layers for one row (state slot 0 -> slot 1), each: in_proj with the
+    conv update of its xBC channels | barrier | the SSM update, BP channels of a head per
+    program | barrier | the gated norm (every program computes it whole) and out_proj |
+    barrier. Weights and states are stacked per layer."""
+    pid = tl.program_id(0)
+    k = tl.arange(0, H)
+    barrier = 0
+    for layer in tl.static_range(L):
+        if layer == 0:
+            v = tl.load(x_ptr + k).to(tl.float32)
+        else:
+            barrier += G
+            _arrive_and_wait(counter_ptr, barrier)  # the previous layer's out_proj is whole
+            v = tl.load(out_ptr + (layer - 1) * H + k, cache_modifier=".cg").to(tl.float32)
+        zxbcdt = zxbcdt_ptr + layer * NIN
+        # in_proj (+ conv): TILE-row tiles of the weight, dealt round-robin to the programs
+        for tile in range(pid, tl.cdiv(NIN, TILE), G):
+            rows = tile * TILE + tl.arange(0, TILE)
+            w = tl.load(w_in_ptr + layer * NIN * H + rows[:, None] * H + k[None, :], mask=rows[:, None] < NIN,
+                        other=0.0)
+            y = tl.sum(w.to(tl.float32) * v[None, :], axis=1).to(tl.bfloat16)
+            ch = rows - DSSM
+            is_conv = (ch >= 0) & (ch < CONV)
+            ch = tl.where(is_conv, ch, 0)
+            state = conv_state_ptr + layer * 2 * CONV * (K - 1) + ch * (K - 1)
+            conv = conv_update_channels(y, conv_w_ptr + layer * CONV * K + ch * K, conv_b_ptr + layer * CONV + ch,
+                                        state, state + CONV * (K - 1), 1, is_conv, K, True, True)
+            tl.store(zxbcdt + rows, tl.where(is_conv, conv.to(tl.bfloat16), y), mask=rows < NIN)
+        barrier += G
+        _arrive_and_wait(counter_ptr, barrier)
+        # SSM update: program -> (head, block of BP channels)
+        head = pid // (P // BP)
+        p = (pid % (P // BP)) * BP + tl.arange(0, BP)
+        n = tl.arange(0, NS)
+        group = head // (NH // NG)
+        tile_off = head * P * NS + p[:, None] * NS + n[None, :]
+        ssm = ssm_state_ptr + layer * 2 * NH * P * NS
+        h = tl.load(ssm + tile_off)
+        xv = tl.load(zxbcdt + DSSM + head * P + p, cache_modifier=".cg").to(tl.float32)
+        b = tl.load(zxbcdt + 2 * DSSM + group * NS + n, cache_modifier=".cg").to(tl.float32)
+        c = tl.load(zxbcdt + 2 * DSSM + NG * NS + group * NS + n, cache_modifier=".cg").to(tl.float32)
+        dt = tl.load(zxbcdt + DSSM + CONV + head, cache_modifier=".cg").to(tl.float32)
+        dt = softplus(dt + tl.load(dt_bias_ptr + layer * NH + head))
+        a = tl.load(a_ptr + layer * NH + head)
+        h = h * tl.exp(dt * a) + (dt * xv)[:, None] * b[None, :]
+        tl.store(ssm + NH * P * NS + tile_off, h)
+        yh = tl.sum(h * c[None, :], axis=1) + tl.load(d_ptr + layer * NH + head) * xv
+        tl.store(y_ptr + layer * DSSM + head * P + p, yh.to(tl.bfloat16))
+        barrier += G
+        _arrive_and_wait(counter_ptr, barrier)
+        # gated norm (whole, in every program) and out_proj: RO rows per program
+        c_all = tl.arange(0, DSSM)
+        yv = tl.load(y_ptr + layer * DSSM + c_all, cache_modifier=".cg").to(tl.float32)
+        z = tl.load(zxbcdt + c_all, cache_modifier=".cg").to(tl.float32)
+        g = tl.reshape(yv * z * tl.sigmoid(z), (NG, DSSM // NG))
+        rstd = tl.rsqrt(tl.sum(g * g, axis=1) / (DSSM // NG) + eps)
+        nw = tl.reshape(tl.load(norm_w_ptr + layer * DSSM + c_all).to(tl.float32), (NG, DSSM // NG))
+        normed = tl.reshape((nw * (g * rstd[:, None]).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16), (DSSM,))
+        out_rows = pid * RO + tl.arange(0, RO)
+        w_out = tl.load(w_out_ptr + layer * H * DSSM + out_rows[:, None] * DSSM + c_all[None, :])
+        o = tl.sum(w_out.to(tl.float32) * normed.to(tl.float32)[None, :], axis=1)
+        tl.store(out_ptr + layer * H + out_rows, o.to(tl.bfloat16))
 
 
 @triton.jit
@@ -152,6 +241,89 @@ def run(layers: int, replays: int) -> None:
         print(f"| {name} | {us:.1f} | {us / projections:.2f} | {us / floor:.2f}x |")
     print(f"| {BARRIERS} grid barriers alone, {programs} programs | {barrier_us:.1f} | "
           f"{barrier_us / BARRIERS:.2f} per barrier | - |")
+    if programs == HEADS * HEAD_DIM // MAMBA_CHANNELS_PER_PROGRAM:
+        run_mamba(layers, replays, programs, counter)
+
+
+MAMBA_CHANNELS_PER_PROGRAM = 16  # of a head, in the SSM update
+
+
+def run_mamba(layers: int, replays: int, programs: int, counter: torch.Tensor) -> None:
+    """The peer's Mamba-2 decode layer, L of them chained (each layer's out_proj output is the
+    next one's input), one row: our ops (`linear_conv_update`, `ssm_state_update`,
+    `gated_rms_norm`, `linear`, as `Mamba2Mixer` runs them at decode) in a CUDA graph, against
+    `_mamba_chain_kernel`. Both read state slot 0 and write slot 1 of their own copies."""
+    torch.manual_seed(1)
+    dev, bf16, f32 = torch.device("cuda"), torch.bfloat16, torch.float32
+    n_l, gn = layers, GROUPS * STATE
+    w_in = torch.randn(n_l, IN_PROJ, HIDDEN, device=dev, dtype=bf16) / 32
+    conv_w = torch.randn(n_l, CONV_DIM, CONV_K, device=dev, dtype=bf16) / 2
+    conv_b = torch.randn(n_l, CONV_DIM, device=dev, dtype=bf16) / 10
+    a = -torch.exp(torch.randn(n_l, HEADS, device=dev, dtype=f32) / 2)
+    d = torch.ones(n_l, HEADS, device=dev, dtype=f32)
+    dt_bias = torch.randn(n_l, HEADS, device=dev, dtype=f32) / 2 - 2
+    norm_w = 1 + torch.randn(n_l, D_SSM, device=dev, dtype=bf16) / 10
+    w_out = torch.randn(n_l, HIDDEN, D_SSM, device=dev, dtype=bf16) / 45
+    x = torch.randn(1, HIDDEN, device=dev, dtype=bf16)
+    conv0 = torch.randn(n_l, 2, CONV_DIM, CONV_K - 1, device=dev, dtype=bf16) / 2
+    ssm0 = torch.randn(n_l, 2, HEADS, HEAD_DIM, STATE, device=dev, dtype=f32) / 10
+    ops_conv, ops_ssm, mk_conv, mk_ssm = conv0.clone(), ssm0.clone(), conv0.clone(), ssm0.clone()
+    src = torch.zeros(1, device=dev, dtype=torch.int64)
+    dst = torch.ones(1, device=dev, dtype=torch.int64)
+    zxbcdt = torch.empty(n_l, IN_PROJ, device=dev, dtype=bf16)
+    y = torch.empty(n_l, D_SSM, device=dev, dtype=bf16)
+    out = torch.empty(n_l, HIDDEN, device=dev, dtype=bf16)
+
+    def ops_layer(v: torch.Tensor, layer: int, conv_states: torch.Tensor, ssm_states: torch.Tensor) -> torch.Tensor:
+        zx = linear_conv_update(v, w_in[layer], None, D_SSM, conv_w[layer], conv_b[layer], conv_states[layer], src,
+                                dst)
+        z, xbc, dt = zx.split([D_SSM, CONV_DIM, HEADS], dim=-1)
+        xs, b, c = xbc.split([D_SSM, gn, gn], dim=-1)
+        yh = ssm_state_update(ssm_states[layer], xs.reshape(1, HEADS, HEAD_DIM), dt, a[layer],
+                              b.reshape(1, GROUPS, STATE), c.reshape(1, GROUPS, STATE), d[layer], src, dst,
+                              dt_bias[layer])
+        normed = gated_rms_norm(yh.reshape(1, D_SSM), z, norm_w[layer], NORM_EPS, D_SSM // GROUPS)
+        return linear(normed, w_out[layer])
+
+    def ops_chain() -> None:
+        v = x
+        for layer in range(n_l):
+            v = ops_layer(v, layer, ops_conv, ops_ssm)
+
+    def persistent() -> None:
+        counter.zero_()
+        _mamba_chain_kernel[(programs,)](
+            x, w_in, conv_w, conv_b, mk_conv, a, d, dt_bias, norm_w, w_out, mk_ssm, zxbcdt, y, out, counter, NORM_EPS,
+            G=programs, L=n_l, H=HIDDEN, NIN=IN_PROJ, DSSM=D_SSM, CONV=CONV_DIM, NH=HEADS, P=HEAD_DIM, NG=GROUPS,
+            NS=STATE, K=CONV_K, TILE=32, BP=MAMBA_CHANNELS_PER_PROGRAM, RO=HIDDEN // programs, num_warps=16,
+            enable_fp_fusion=False)
+
+    persistent()
+    torch.cuda.synchronize()
+    # Each layer against our ops on the same input (the persistent chain's previous output)
+    # and the same starting states: per-layer rounding differences would compound over a
+    # chain of layers compared end to end.
+    errors, state_errors = [], []
+    for layer in range(n_l):
+        expected = ops_layer(x if layer == 0 else out[layer - 1:layer], layer, ops_conv, ops_ssm)[0].float()
+        errors.append(((out[layer].float() - expected).abs().max() / expected.abs().max()).item())
+        state_errors.append(((mk_ssm[layer, 1] - ops_ssm[layer, 1]).abs().max()
+                             / ops_ssm[layer, 1].abs().max()).item())
+    print(f"\nMamba chain: persistent against our ops on the same inputs, largest relative error per layer: "
+          f"outputs {max(errors):.1e}, SSM states {max(state_errors):.1e}", flush=True)
+    if not max(errors + state_errors) < 2e-2:
+        raise AssertionError("the persistent Mamba chain differs from our ops")
+    ops_us, mk_us = time_graph(ops_chain, replays), time_graph(persistent, replays)
+    weight_bytes = sum(t.numel() * t.element_size() for t in (w_in, conv_w, conv_b, norm_w, w_out))
+    state_bytes = 2 * (conv0[:, 0].numel() * 2 + ssm0[:, 0].numel() * 4)  # read slot 0, write slot 1
+    floor = (weight_bytes + state_bytes) / copy_bandwidth() * 1e6
+    print(f"{n_l} Mamba-2 layers (in_proj {IN_PROJ} x {HIDDEN} + conv, SSM update {HEADS} x {HEAD_DIM} x {STATE}, "
+          f"gated norm, out_proj {HIDDEN} x {D_SSM}), 1 row; {weight_bytes / 1e6:.0f} MB of weights, "
+          f"{state_bytes / 1e6:.1f} MB of state read + written; floor {floor:.1f} us")
+    print("| chain | us per chain | us per layer | over the floor |\n|---|---|---|---|")
+    print(f"| ops: 4 kernels per layer, one CUDA graph | {ops_us:.1f} | {ops_us / n_l:.2f} | {ops_us / floor:.2f}x |")
+    print(f"| persistent, {programs} programs x 16 warps, 3 barriers per layer | {mk_us:.1f} | {mk_us / n_l:.2f} | "
+          f"{mk_us / floor:.2f}x |")
 
 
 def check(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, hidden: torch.Tensor, out: torch.Tensor) -> float:
