@@ -46,7 +46,8 @@ from decode_floors import copy_bandwidth  # noqa: E402
 
 from layers.kernels.triton.conv1d import conv_update_channels  # noqa: E402
 from layers.kernels.triton.device import sm_count  # noqa: E402
-from layers.kernels.triton.linear import linear, linear_conv_update, linear_relu_square  # noqa: E402
+from layers.kernels.triton.linear import (  # noqa: E402
+    ROW_TILE, _row_tile_product, _store_rows, _sum_slices, linear, linear_conv_update, linear_relu_square, tiling)
 from layers.kernels.triton.norm import gated_rms_norm  # noqa: E402
 from layers.kernels.triton.ssm_update import softplus, ssm_state_update  # noqa: E402
 
@@ -102,6 +103,32 @@ def _chain_kernel(x_ptr, up_ptr, down_ptr, hidden_ptr, out_ptr, counter_ptr, G: 
 
 
 @triton.jit
+def _ssm_update_phase(zx, ssm, y_ptr, a_ptr, d_ptr, dt_bias_ptr, pid, counter_ptr, target, G: tl.constexpr,
+                      DSSM: tl.constexpr, CONV: tl.constexpr, NH: tl.constexpr, P: tl.constexpr, NG: tl.constexpr,
+                      NS: tl.constexpr, BP: tl.constexpr):
+    """Between the barrier at `target` (in_proj is whole) and the one at `target` + G (every
+    head is updated): the SSM update of program `pid`'s BP channels of one head (as
+    `_ssm_update_kernel`'s tiles), with x, B, C and dt from this layer's in_proj output `zx`,
+    the state from slot 0 of `ssm` to slot 1, y (D skip included) to `y_ptr`."""
+    _arrive_and_wait(counter_ptr, target)
+    head = pid // (P // BP)
+    p = (pid % (P // BP)) * BP + tl.arange(0, BP)
+    n = tl.arange(0, NS)
+    group = head // (NH // NG)
+    tile_off = head * P * NS + p[:, None] * NS + n[None, :]
+    h = tl.load(ssm + tile_off)
+    xv = tl.load(zx + DSSM + head * P + p, cache_modifier=".cg").to(tl.float32)
+    b = tl.load(zx + 2 * DSSM + group * NS + n, cache_modifier=".cg").to(tl.float32)
+    c = tl.load(zx + 2 * DSSM + NG * NS + group * NS + n, cache_modifier=".cg").to(tl.float32)
+    dt = softplus(tl.load(zx + DSSM + CONV + head, cache_modifier=".cg").to(tl.float32) + tl.load(dt_bias_ptr + head))
+    h = h * tl.exp(dt * tl.load(a_ptr + head)) + (dt * xv)[:, None] * b[None, :]
+    tl.store(ssm + NH * P * NS + tile_off, h)
+    y = tl.sum(h * c[None, :], axis=1) + tl.load(d_ptr + head) * xv
+    tl.store(y_ptr + head * P + p, y.to(tl.bfloat16))
+    _arrive_and_wait(counter_ptr, target + G)
+
+
+@triton.jit
 def _mamba_chain_kernel(
     x_ptr, w_in_ptr, conv_w_ptr, conv_b_ptr, conv_state_ptr, a_ptr, d_ptr, dt_bias_ptr, norm_w_ptr, w_out_ptr,
     ssm_state_ptr, zxbcdt_ptr, y_ptr, out_ptr, counter_ptr, eps,
@@ -137,28 +164,10 @@ def _mamba_chain_kernel(
             conv = conv_update_channels(y, conv_w_ptr + layer * CONV * K + ch * K, conv_b_ptr + layer * CONV + ch,
                                         state, state + CONV * (K - 1), 1, is_conv, K, True, True)
             tl.store(zxbcdt + rows, tl.where(is_conv, conv.to(tl.bfloat16), y), mask=rows < NIN)
-        barrier += G
-        _arrive_and_wait(counter_ptr, barrier)
-        # SSM update: program -> (head, block of BP channels)
-        head = pid // (P // BP)
-        p = (pid % (P // BP)) * BP + tl.arange(0, BP)
-        n = tl.arange(0, NS)
-        group = head // (NH // NG)
-        tile_off = head * P * NS + p[:, None] * NS + n[None, :]
-        ssm = ssm_state_ptr + layer * 2 * NH * P * NS
-        h = tl.load(ssm + tile_off)
-        xv = tl.load(zxbcdt + DSSM + head * P + p, cache_modifier=".cg").to(tl.float32)
-        b = tl.load(zxbcdt + 2 * DSSM + group * NS + n, cache_modifier=".cg").to(tl.float32)
-        c = tl.load(zxbcdt + 2 * DSSM + NG * NS + group * NS + n, cache_modifier=".cg").to(tl.float32)
-        dt = tl.load(zxbcdt + DSSM + CONV + head, cache_modifier=".cg").to(tl.float32)
-        dt = softplus(dt + tl.load(dt_bias_ptr + layer * NH + head))
-        a = tl.load(a_ptr + layer * NH + head)
-        h = h * tl.exp(dt * a) + (dt * xv)[:, None] * b[None, :]
-        tl.store(ssm + NH * P * NS + tile_off, h)
-        yh = tl.sum(h * c[None, :], axis=1) + tl.load(d_ptr + layer * NH + head) * xv
-        tl.store(y_ptr + layer * DSSM + head * P + p, yh.to(tl.bfloat16))
-        barrier += G
-        _arrive_and_wait(counter_ptr, barrier)
+        _ssm_update_phase(zxbcdt, ssm_state_ptr + layer * 2 * NH * P * NS, y_ptr + layer * DSSM, a_ptr + layer * NH,
+                          d_ptr + layer * NH, dt_bias_ptr + layer * NH, pid, counter_ptr, barrier + G, G, DSSM, CONV,
+                          NH, P, NG, NS, BP)
+        barrier += 2 * G
         # gated norm (whole, in every program) and out_proj: RO rows per program
         c_all = tl.arange(0, DSSM)
         yv = tl.load(y_ptr + layer * DSSM + c_all, cache_modifier=".cg").to(tl.float32)
@@ -171,6 +180,78 @@ def _mamba_chain_kernel(
         w_out = tl.load(w_out_ptr + layer * H * DSSM + out_rows[:, None] * DSSM + c_all[None, :])
         o = tl.sum(w_out.to(tl.float32) * normed.to(tl.float32)[None, :], axis=1)
         tl.store(out_ptr + layer * H + out_rows, o.to(tl.bfloat16))
+
+
+@triton.jit
+def _mamba_tiled_kernel(
+    x_ptr, w_in_ptr, conv_w_ptr, conv_b_ptr, conv_state_ptr, a_ptr, d_ptr, dt_bias_ptr, norm_w_ptr, w_out_ptr,
+    ssm_state_ptr, zxbcdt_ptr, y_ptr, normed_ptr, partial_ptr, arrivals_ptr, out_ptr, src_ptr, dst_ptr, counter_ptr,
+    eps, G: tl.constexpr, L: tl.constexpr, H: tl.constexpr, NIN: tl.constexpr, DSSM: tl.constexpr,
+    CONV: tl.constexpr, NH: tl.constexpr, P: tl.constexpr, NG: tl.constexpr, NS: tl.constexpr, K: tl.constexpr,
+    BN_IN: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BN_OUT: tl.constexpr, SPLIT_OUT: tl.constexpr,
+):
+    """`_mamba_chain_kernel`'s layers with each phase done as our separate kernels do it:
+    in_proj and out_proj with the skinny projection kernel's tiles and helpers (16-row
+    tensor-core tiles, the same K steps, out_proj split in SPLIT_OUT K slices added by the
+    last program of a column tile), the SSM update with its kernel's tiles, and the gated
+    norm of only the groups in a program's K slice of out_proj, just before it."""
+    pid = tl.program_id(0)
+    rows = tl.arange(0, 16)
+    ks = tl.arange(0, BK)
+    gs: tl.constexpr = DSSM // NG
+    k_len: tl.constexpr = DSSM // SPLIT_OUT
+    barrier = 0
+    for layer in tl.static_range(L):
+        if layer == 0:
+            v_ptr = x_ptr
+        else:
+            barrier += G
+            _arrive_and_wait(counter_ptr, barrier)  # the previous layer's out_proj is whole
+            v_ptr = out_ptr + (layer - 1) * H
+        zx = zxbcdt_ptr + layer * NIN
+        # in_proj + conv: program p < cdiv(NIN, BN_IN) is the skinny kernel's column tile p
+        if pid < tl.cdiv(NIN, BN_IN):
+            cols = pid * BN_IN + tl.arange(0, BN_IN)
+            w_rows = w_in_ptr + layer * NIN * H + cols.to(tl.int64)[:, None] * H
+            acc = tl.zeros((16, BN_IN), tl.float32)
+            for k0 in range(0, H, BK):
+                k = k0 + ks
+                w = tl.load(w_rows + k[None, :], mask=(cols[:, None] < NIN) & (k[None, :] < H), other=0.0)
+                acc = _row_tile_product(acc, v_ptr, w, rows, k, 1, H, H)
+            _store_rows(acc, w_in_ptr, zx, rows, cols, 1, NIN, NIN, False, DSSM, CONV, conv_w_ptr + layer * CONV * K,
+                        conv_b_ptr + layer * CONV, conv_state_ptr + layer * 2 * CONV * (K - 1), src_ptr, dst_ptr,
+                        K, CONV * (K - 1), K - 1, 1, True, K, True, True, False)
+        _ssm_update_phase(zx, ssm_state_ptr + layer * 2 * NH * P * NS, y_ptr + layer * DSSM, a_ptr + layer * NH,
+                          d_ptr + layer * NH, dt_bias_ptr + layer * NH, pid, counter_ptr, barrier + G, G, DSSM, CONV,
+                          NH, P, NG, NS, BP)
+        barrier += 2 * G
+        # out_proj: program -> (column tile, K slice); first the gated norm of the slice's groups
+        col_tile = pid % (H // BN_OUT)
+        k_start = (pid // (H // BN_OUT)) * k_len
+        scratch = normed_ptr + pid * k_len
+        for gi in tl.static_range(k_len // gs):
+            ch = k_start + gi * gs + tl.arange(0, gs)
+            z = tl.load(zx + ch, cache_modifier=".cg").to(tl.float32)
+            gated = tl.load(y_ptr + layer * DSSM + ch, cache_modifier=".cg").to(tl.float32) * z * tl.sigmoid(z)
+            gated = (gated * tl.rsqrt(tl.sum(gated * gated, axis=0) / gs + eps)).to(tl.bfloat16).to(tl.float32)
+            norm_w = tl.load(norm_w_ptr + layer * DSSM + ch).to(tl.float32)
+            tl.store(scratch + gi * gs + tl.arange(0, gs), (norm_w * gated).to(tl.bfloat16))
+        tl.debug_barrier()  # the slice is stored before this program's threads read it
+        cols_o = col_tile * BN_OUT + tl.arange(0, BN_OUT)
+        w_rows_o = w_out_ptr + layer * H * DSSM + cols_o.to(tl.int64)[:, None] * DSSM
+        acc_o = tl.zeros((16, BN_OUT), tl.float32)
+        for k0 in range(k_start, k_start + k_len, BK):
+            k_o = k0 + ks
+            w_o = tl.load(w_rows_o + k_o[None, :], mask=(cols_o[:, None] < H) & (k_o[None, :] < k_start + k_len),
+                          other=0.0)
+            acc_o = _row_tile_product(acc_o, scratch - k_start, w_o, rows, k_o, 1, k_start + k_len, 0)
+        tl.store(partial_ptr + (pid // (H // BN_OUT)) * 16 * H + rows[:, None] * H + cols_o[None, :], acc_o)
+        tl.debug_barrier()
+        if tl.atomic_add(arrivals_ptr + col_tile, 1, sem="acq_rel") == SPLIT_OUT - 1:
+            acc_o = _sum_slices(partial_ptr, rows, cols_o, H, 16, SPLIT_OUT)
+            _store_rows(acc_o, w_out_ptr, out_ptr + layer * H, rows, cols_o, 1, H, H, False, 0, 0, out_ptr, out_ptr,
+                        out_ptr, out_ptr, out_ptr, 0, 0, 0, 0, False, 2, False, False, False)
+            tl.atomic_xchg(arrivals_ptr + col_tile, 0)
 
 
 @triton.jit
@@ -313,7 +394,39 @@ def run_mamba(layers: int, replays: int, programs: int, counter: torch.Tensor) -
           f"outputs {max(errors):.1e}, SSM states {max(state_errors):.1e}", flush=True)
     if not max(errors + state_errors) < 2e-2:
         raise AssertionError("the persistent Mamba chain differs from our ops")
-    ops_us, mk_us = time_graph(ops_chain, replays), time_graph(persistent, replays)
+    in_tiles, out_tiles = tiling(IN_PROJ, HIDDEN), tiling(HIDDEN, D_SSM)
+    tiled_out = torch.empty(n_l, HIDDEN, device=dev, dtype=bf16)
+    normed = torch.empty(programs, D_SSM // out_tiles.split, device=dev, dtype=bf16)
+    partials = torch.empty(out_tiles.split, ROW_TILE, HIDDEN, device=dev, dtype=f32)
+    arrivals = torch.zeros(HIDDEN // out_tiles.block_n, device=dev, dtype=torch.int32)
+    tiled_conv, tiled_ssm = conv0.clone(), ssm0.clone()
+    assert (in_tiles.split == 1 and in_tiles.block_k == out_tiles.block_k
+            and programs == (HIDDEN // out_tiles.block_n) * out_tiles.split), (in_tiles, out_tiles)
+
+    def tiled() -> None:
+        counter.zero_()
+        _mamba_tiled_kernel[(programs,)](
+            x, w_in, conv_w, conv_b, tiled_conv, a, d, dt_bias, norm_w, w_out, tiled_ssm, zxbcdt, y, normed, partials,
+            arrivals, tiled_out, src, dst, counter, NORM_EPS, G=programs, L=n_l, H=HIDDEN, NIN=IN_PROJ, DSSM=D_SSM,
+            CONV=CONV_DIM, NH=HEADS, P=HEAD_DIM, NG=GROUPS, NS=STATE, K=CONV_K, BN_IN=in_tiles.block_n,
+            BK=in_tiles.block_k, BP=MAMBA_CHANNELS_PER_PROGRAM, BN_OUT=out_tiles.block_n, SPLIT_OUT=out_tiles.split,
+            num_warps=8, num_stages=4, enable_fp_fusion=False)
+
+    tiled()
+    torch.cuda.synchronize()
+    tiled_errors, tiled_equal = [], []
+    for layer in range(n_l):
+        expected = ops_layer(x if layer == 0 else tiled_out[layer - 1:layer], layer, ops_conv, ops_ssm)[0]
+        tiled_errors.append(((tiled_out[layer].float() - expected.float()).abs().max()
+                             / expected.float().abs().max()).item())
+        tiled_equal.append(torch.equal(tiled_out[layer], expected) and torch.equal(tiled_ssm[layer, 1], ops_ssm[layer, 1])
+                           and torch.equal(tiled_conv[layer, 1], ops_conv[layer, 1]))
+    print(f"Mamba chain, persistent with our kernels' tiles: largest relative error per layer {max(tiled_errors):.1e}; "
+          f"layers equal to our ops bit for bit (output, SSM and conv states): {sum(tiled_equal)} of {n_l}", flush=True)
+    if not max(tiled_errors) < 2e-2:
+        raise AssertionError("the tiled persistent Mamba chain differs from our ops")
+    ops_us, mk_us, tiled_us = (time_graph(fn, replays) for fn in (ops_chain, persistent, tiled))
+
     weight_bytes = sum(t.numel() * t.element_size() for t in (w_in, conv_w, conv_b, norm_w, w_out))
     state_bytes = 2 * (conv0[:, 0].numel() * 2 + ssm0[:, 0].numel() * 4)  # read slot 0, write slot 1
     floor = (weight_bytes + state_bytes) / copy_bandwidth() * 1e6
@@ -324,6 +437,8 @@ def run_mamba(layers: int, replays: int, programs: int, counter: torch.Tensor) -
     print(f"| ops: 4 kernels per layer, one CUDA graph | {ops_us:.1f} | {ops_us / n_l:.2f} | {ops_us / floor:.2f}x |")
     print(f"| persistent, {programs} programs x 16 warps, 3 barriers per layer | {mk_us:.1f} | {mk_us / n_l:.2f} | "
           f"{mk_us / floor:.2f}x |")
+    print(f"| persistent with our kernels' tiles, {programs} programs x 8 warps, 3 barriers per layer | {tiled_us:.1f} | "
+          f"{tiled_us / n_l:.2f} | {tiled_us / floor:.2f}x |")
 
 
 def check(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, hidden: torch.Tensor, out: torch.Tensor) -> float:
