@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: messages rendered with the tokenizer's chat template."""
 import functools
 import re
+import secrets
 import uuid
 from typing import AsyncIterator
 
@@ -16,10 +17,11 @@ from hybrid_engine.server.protocol import (AssistantMessage, ChatChoice, ChatChu
                                            DeltaMessage, TokenLogprob, TopLogprob)
 from hybrid_engine.server.serving import OpenAIServing, logprob_rows, render_off_loop, usage
 
-# Message texts stand in the rendered template as "<_MARK>n<_MARK>": a private-use character
-# no tokenizer vocabulary or client text is expected to use.
+# Message texts stand in the rendered template as "<_MARK>nonce-n<_MARK>": a private-use
+# character around a random nonce drawn for each request, so that no client text (a tool
+# call's arguments, a name: fields the template writes as they are) can spell a placeholder
+# and have another message's text put in its place.
 _MARK = "\ue000"
-_MARKED = re.compile(f"({_MARK}[0-9]+{_MARK})")
 
 
 class ChatHandler(OpenAIServing):
@@ -66,9 +68,10 @@ class ChatHandler(OpenAIServing):
             raise APIError("this model has no tokenizer (and so no chat template): use /v1/completions with token "
                            "ids", param="messages")
         texts: dict[str, str] = {}
+        nonce = secrets.token_hex(8)
 
         def placeholder(text: str) -> str:
-            key = f"{_MARK}{len(texts)}{_MARK}"
+            key = f"{_MARK}{nonce}-{len(texts)}{_MARK}"
             texts[key] = text
             return key
 
@@ -87,7 +90,7 @@ class ChatHandler(OpenAIServing):
             raise APIError(f"the chat template cannot render these messages: {exc}", param="messages") from exc
         ids: list[int] = []
         # The template already holds any special tokens (BOS included) it wants.
-        for piece in _MARKED.split(rendered):
+        for piece in re.split(f"({_MARK}{nonce}-[0-9]+{_MARK})", rendered):
             if piece in texts:
                 ids += self._tokenize(texts[piece], plain_text=True)
             elif piece:

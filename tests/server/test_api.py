@@ -162,6 +162,25 @@ def test_chat_tool_call_history(client: openai.OpenAI):
     assert r.usage.prompt_tokens == len(tokenizer.encode(prompt))
 
 
+def test_chat_placeholder_lookalike_in_a_tool_call_stays_text(client: openai.OpenAI):
+    """Message texts stand in the rendered template as private-use placeholders; a tool call's
+    name (which the template writes as it is) spelling one must stay those characters, not
+    become another message's text: the prompt is exactly the template rendered with it."""
+    lookalike = "\ue0000\ue000"  # what the first message's placeholder was before it got a nonce
+    call = {"id": "c1", "type": "function", "function": {"name": f"wx{lookalike}", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "longer than it"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0.0)
+    rendered = [messages[0], {"role": "assistant", "content": "",
+                              "tool_calls": [{**call, "function": {"name": f"wx{lookalike}", "arguments": {}}}]},
+                {"role": "tool", "content": "ok", "tool_call_id": "c1"}]
+    tokenizer = build_byte_tokenizer()
+    prompt = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+    assert f'"name": "wx{lookalike}"' in prompt
+    assert r.usage.prompt_tokens == len(tokenizer.encode(prompt))
+
+
 @pytest.mark.parametrize("max_tokens, max_completion_tokens", [(9, 3), (3, 9), (None, 4)])
 def test_chat_max_completion_tokens_wins_over_max_tokens(client: openai.OpenAI, max_tokens, max_completion_tokens):
     """With both set, chat generates max_completion_tokens tokens, whichever is larger."""
