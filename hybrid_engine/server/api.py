@@ -54,7 +54,7 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None, limits: Serve
     (the connection limits are uvicorn's: `connections.uvicorn_config`); the app's shutdown
     stops the engine thread."""
     model_name = served_model_name or llm.info.model_name
-    tokenizer_thread = TokenizerThread()
+    tokenizer_thread = TokenizerThread(llm.info.tokenizer)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):

@@ -31,7 +31,7 @@ class ChatHandler(OpenAIServing):
         """Validate, run, and answer one chat completions request."""
         self.check_model(request.model)
         self.check_num_prompts(1, request.n)
-        prompt, params = await self.tokenizer_thread.run(self._engine_input, request)
+        prompt, params = await self.tokenizer_thread.run(self._engine_input, request, text_chars=request.text_chars())
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         generation = await self.submit(request_id, self.choices([(prompt, params)], request.n))
         if request.stream:
@@ -63,7 +63,7 @@ class ChatHandler(OpenAIServing):
         end-of-turn token (role injection). Each text is rendered as a unique placeholder,
         and the rendered prompt is tokenized piece by piece around them.
         """
-        tokenizer = self.info.tokenizer
+        tokenizer = self.tokenizer_thread.tokenizer
         if tokenizer is None:
             raise APIError("this model has no tokenizer (and so no chat template): use /v1/completions with token "
                            "ids", param="messages")
@@ -119,7 +119,7 @@ class ChatHandler(OpenAIServing):
     def _tokenize(self, text: str, plain_text: bool) -> list[int]:
         """Token ids of part of a chat prompt (400 naming "messages" if it is not valid text)."""
         try:
-            return encode_prompt(text, self.info.tokenizer, "messages", add_special_tokens=False,
+            return encode_prompt(text, self.tokenizer_thread.tokenizer, "messages", add_special_tokens=False,
                                  split_special_tokens=plain_text)
         except ValueError as exc:
             raise invalid_input(exc) from exc

@@ -18,7 +18,8 @@ class CompletionsHandler(OpenAIServing):
         """Validate, run, and answer one completions request."""
         self.check_model(request.model)
         self.check_num_prompts(len(request.prompt), request.n)
-        requests = self.choices(await self.tokenizer_thread.run(self._engine_inputs, request), request.n)
+        requests = self.choices(await self.tokenizer_thread.run(self._engine_inputs, request,
+                                                                text_chars=request.text_chars()), request.n)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         generation = await self.submit(request_id, requests)
         if request.stream:

@@ -18,6 +18,7 @@ import copy
 import json
 import logging
 import math
+import threading
 from dataclasses import replace
 from typing import Any, AsyncIterator, Callable, TypeVar
 
@@ -94,26 +95,53 @@ def _sse(payload: BaseModel | dict) -> str:
     return f"data: {data}\n\n"
 
 
+# Requests with more text than this go to the tokenizer thread's second lane, so that a
+# prompt of megabytes (seconds to encode) never holds up the ordinary requests behind it.
+LARGE_TEXT_CHARS = 1 << 16
+
+
 class TokenizerThread:
-    """The one thread on which the HTTP server tokenizes prompts and renders chat templates,
-    with the tokenizer copy in `EngineInfo.tokenizer`, which nothing else uses.
+    """The threads on which the HTTP server tokenizes prompts and renders chat templates:
+    one for requests of up to LARGE_TEXT_CHARS characters of text, one for larger ones,
+    each with a tokenizer copy of its own (`tokenizer`, on that thread) that nothing else
+    uses.
 
     Off the event loop, so that a prompt of megabytes (seconds to encode) stalls no one
-    else; one thread, because encoding can change the tokenizer (transformers sets the Rust
+    else; two lanes, so that it does not hold up the small requests behind it either (one
+    large prompt just under the 8 MiB body limit took 8.4 s with the byte tokenizer, and a
+    small request behind it waited 6.9 s with one lane; docs/server.md, Limits); one thread
+    per copy, because encoding can change the tokenizer (transformers sets the Rust
     tokenizer's `encode_special_tokens` per call), which must not happen while another
     thread uses it. Work still queued when its client hangs up is dropped.
     """
 
-    def __init__(self) -> None:
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+    def __init__(self, tokenizer: Any | None) -> None:
+        self._local = threading.local()
+        copies = (tokenizer, None if tokenizer is None else copy.deepcopy(tokenizer))
+        self._lanes = [concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name,
+                                                             initializer=self._bind, initargs=(copy_,))
+                       for name, copy_ in zip(("tokenizer", "tokenizer-large"), copies)]
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` on the tokenizer thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+    def _bind(self, tokenizer: Any | None) -> None:
+        self._local.tokenizer = tokenizer
+
+    @property
+    def tokenizer(self) -> Any | None:
+        """The tokenizer of the lane this code runs on (only on a lane's thread)."""
+        try:
+            return self._local.tokenizer
+        except AttributeError:
+            raise RuntimeError("TokenizerThread.tokenizer is only available on a tokenizer thread") from None
+
+    async def run(self, fn: Callable[..., T], *args: Any, text_chars: int = 0) -> T:
+        """`fn(*args)` on the lane for a request with `text_chars` characters of text."""
+        lane = self._lanes[text_chars > LARGE_TEXT_CHARS]
+        return await asyncio.get_running_loop().run_in_executor(lane, fn, *args)
 
     def close(self) -> None:
-        """Stop the thread (queued work is dropped)."""
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        """Stop the threads (queued work is dropped)."""
+        for lane in self._lanes:
+            lane.shutdown(wait=False, cancel_futures=True)
 
 
 class TokenTexts:
@@ -210,7 +238,7 @@ class OpenAIServing:
         engine checks it): 400 naming `param` for no tokenizer, an empty prompt, an id outside
         the vocabulary, or no room left to generate."""
         try:
-            token_ids = encode_prompt(prompt, self.info.tokenizer, param, add_special_tokens)
+            token_ids = encode_prompt(prompt, self.tokenizer_thread.tokenizer, param, add_special_tokens)
             check_prompt(token_ids, self.info.limits, param)
         except ValueError as exc:
             raise invalid_input(exc) from exc

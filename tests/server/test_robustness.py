@@ -5,6 +5,8 @@ import threading
 import httpx
 import pytest
 
+from hybrid_engine.server import chat, serving
+from hybrid_engine.server.serving import LARGE_TEXT_CHARS
 from tests.server.conftest import FaultyEngine, Server, wait_until
 
 LONG = {"prompt": "a long one", "max_tokens": 100, "ignore_eos": True}
@@ -94,3 +96,39 @@ def test_add_failure_fails_only_that_request(server: Server, engine_switches: Fa
     assert rest[-1] == "data: [DONE]"
     assert json.loads(rest[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
     server.assert_healthy()
+
+
+@pytest.mark.parametrize("path, large_body, small_body", [
+    ("/v1/completions", {"prompt": "a" * (LARGE_TEXT_CHARS + 1), "max_tokens": 1},
+     {"prompt": "hi", "max_tokens": 1}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * (LARGE_TEXT_CHARS + 1)}], "max_tokens": 1},
+     {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+])
+def test_large_prompt_does_not_hold_up_small_ones(server: Server, monkeypatch, path, large_body, small_body):
+    """A request with more text than LARGE_TEXT_CHARS is tokenized on a lane of its own: while
+    its encoding is held (here on purpose, as a prompt of megabytes takes seconds), a small
+    request is answered. With one tokenizer thread the small one would wait behind it and
+    time out here."""
+    entered, release = threading.Event(), threading.Event()
+    real_encode = serving.encode_prompt if path == "/v1/completions" else chat.encode_prompt
+
+    def held_encode(prompt, *args, **kwargs):
+        if isinstance(prompt, str) and len(prompt) > LARGE_TEXT_CHARS:
+            entered.set()
+            assert release.wait(60), "the test never released the large prompt"
+        return real_encode(prompt, *args, **kwargs)
+
+    monkeypatch.setattr(serving if path == "/v1/completions" else chat, "encode_prompt", held_encode)
+    large: dict[str, httpx.Response] = {}
+    sender = threading.Thread(target=lambda: large.update(r=httpx.post(f"{server.url}{path}", json=large_body,
+                                                                       timeout=90)))
+    sender.start()
+    try:
+        assert entered.wait(30), "the large request never reached its encoding"
+        small = httpx.post(f"{server.url}{path}", json=small_body, timeout=30)
+        assert small.status_code == 200, small.text
+        assert "r" not in large  # still held: the small one did not wait for it
+    finally:
+        release.set()
+        sender.join(90)
+    assert large["r"].status_code == 400 and large["r"].json()["error"]["code"] == "context_length_exceeded"
