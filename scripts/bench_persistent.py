@@ -487,7 +487,8 @@ def check(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, hidden: torch.T
 
 def time_graph(fn: Callable[[], None], replays: int) -> float:
     """Microseconds per call of `fn` captured in a CUDA graph: the median of 5 timings of
-    `replays` replays each."""
+    `replays` back-to-back replays each (bench_kernels.py's `time_graph` times each replay
+    on its own, which adds a launch to every chain of ~100 us measured here)."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

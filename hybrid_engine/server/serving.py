@@ -107,12 +107,11 @@ class TokenizerThread:
     uses.
 
     Off the event loop, so that a prompt of megabytes (seconds to encode) stalls no one
-    else; two lanes, so that it does not hold up the small requests behind it either (one
-    large prompt just under the 8 MiB body limit took 8.4 s with the byte tokenizer, and a
-    small request behind it waited 6.9 s with one lane; docs/server.md, Limits); one thread
-    per copy, because encoding can change the tokenizer (transformers sets the Rust
-    tokenizer's `encode_special_tokens` per call), which must not happen while another
-    thread uses it. Work still queued when its client hangs up is dropped.
+    else; two lanes, so that it does not hold up the small requests behind it either
+    (docs/server.md, Limits); one thread per copy, because encoding can change the
+    tokenizer (transformers sets the Rust tokenizer's `encode_special_tokens` per call),
+    which must not happen while another thread uses it. Work still queued when its client
+    hangs up is dropped.
     """
 
     def __init__(self, tokenizer: Any | None) -> None:
