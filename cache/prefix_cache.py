@@ -16,13 +16,19 @@ layers) and the Mamba conv + SSM state after token p-1. So the cache has two par
 
 Checkpoints are taken at the end of every prompt, every `checkpoint_interval` tokens of a
 long prefill (at multiples of the interval, from one interval past where the prefill
-began; the scheduler splits prefill chunks there, `chunk_limit`), and when a request
-finishes or is evicted (its committed state: the next chat turn resends prompt + answer
-and resumes there; a recomputed request resumes where it was evicted). A request may place
-its prompt-end checkpoint later, inside its output (`Request.checkpoint_at`: a draft
-model's proposal, at the end of the target's committed tokens, where the next proposal
-resumes; chunks split there too, and it leaves no finish checkpoint: its end holds
-drafts). A checkpoint takes the request's committed state slot itself, with no copy
+began), and when a request finishes or is evicted (its committed state: the next chat turn
+resends prompt + answer and resumes there; a recomputed request resumes where it was
+evicted). A request may place its prompt-end checkpoint later, inside its output
+(`Request.checkpoint_at`: a draft model's proposal, at the end of the target's committed
+tokens, where the next proposal resumes; it leaves no finish checkpoint: its end holds
+drafts). A state exists at a chunk's end, so the scheduler ends a chunk at the prompt-end
+checkpoint when tokens follow it (`chunk_limit`). Interval checkpoints do not cut chunks:
+when a chunk is launched, a checkpoint slot is reserved for each interval position inside
+it (`reserve_saves`), the Mamba kernels write the state there from inside the chunk
+(`layers.kernels.ops.StateSaves`), and `commit` attaches it once the chunk retires. (Cut
+chunks would turn first-come-first-served prefill into round robin: a long prompt would
+take one step per interval, and a burst of them would all finish late.) A checkpoint at a
+chunk's end takes the request's committed state slot itself, with no copy
 (`MambaStateAllocator.hand_over`); the tail-block copies are device ops issued at once:
 stream order puts them after every launched step (whose writes they read) and before every
 later one.
@@ -72,6 +78,15 @@ class CachedBlock:
     alive: bool = True
 
 
+@dataclass(frozen=True, slots=True)
+class PendingSave:
+    """A checkpoint slot reserved for the state after `position` tokens, which a launched
+    prefill chunk writes from inside itself; attached by `commit` once the chunk retires."""
+
+    position: int
+    slot: int
+
+
 @dataclass(slots=True)
 class PrefixHit:
     """A resume point taken by `acquire`: the request starts with `blocks` (the shared full
@@ -92,6 +107,7 @@ class _Progress:
     node: CachedBlock
     saved: list[Checkpoint] = field(default_factory=list)
     resumed: Checkpoint | None = None  # the checkpoint it resumed from
+    reserved: list[PendingSave] = field(default_factory=list)  # in launch order
 
     @property
     def begin(self) -> int:
@@ -103,8 +119,10 @@ class PrefixCache:
     """Owner of the prefix cache's content: the block trie, the checkpoints, their LRUs.
 
     The scheduler calls `acquire` / `cancel` / `resume` when it admits a request,
-    `commit` when a request's committed length reaches `commit_at`, `finish` when it ends
-    or is evicted, and `chunk_limit` to end prefill chunks at checkpoint positions.
+    `chunk_limit` to end a prefill chunk at the prompt-end checkpoint, `reserve_saves` when
+    it launches a prefill chunk (`release_saves` if that launch is rejected), `commit` when
+    a request's committed length reaches `commit_at`, and `finish` when it ends or is
+    evicted.
     """
 
     def __init__(self, kv: KVBlockAllocator, mamba: MambaStateAllocator, checkpoint_interval: int):
@@ -186,18 +204,45 @@ class PrefixCache:
         progress = self._progress[request] = _Progress(self.root)
         return self._next_commit(progress, 0, request.prompt_checkpoint)
 
-    def chunk_limit(self, request, start: int, num_tokens: int) -> int:
+    @staticmethod
+    def chunk_limit(request, start: int, num_tokens: int) -> int:
         """`num_tokens`, shortened so the request's prefill chunk from `start` ends at its
-        next checkpoint position: an interval position inside the prompt, or the prompt's
-        end (`Request.prompt_checkpoint`) when tokens follow it (a state exists only at a
-        chunk's end). Called before admission too (then `start` is where the prefill
-        begins)."""
-        progress = self._progress.get(request)
-        begin = start if progress is None else progress.begin
-        boundary = min(self._next_interval(begin, start), request.prompt_checkpoint)
+        prompt-end checkpoint (`Request.prompt_checkpoint`) when tokens follow it: its
+        state is saved by handing over the committed slot, which exists at a chunk's end
+        only. (Interval checkpoints are written from inside chunks: `reserve_saves`.)"""
+        boundary = request.prompt_checkpoint
         if start < boundary < start + num_tokens:
             return boundary - start
         return num_tokens
+
+    def reserve_saves(self, request, start: int, num_tokens: int) -> tuple[PendingSave, ...]:
+        """Checkpoint slots for the interval positions strictly inside a prefill chunk being
+        launched, tokens [start, start + num_tokens) (before its prompt-end checkpoint):
+        the chunk's kernels write its state there. A position for which no slot can be
+        freed gets no checkpoint."""
+        progress = self._progress[request]
+        if not progress.node.alive:
+            return ()
+        end = min(start + num_tokens, request.prompt_checkpoint)
+        position = self._next_interval(progress.begin, start)
+        saves = []
+        while position < end:
+            slot = self._free_slot()
+            if slot is None:
+                break
+            saves.append(PendingSave(position, slot))
+            position += self.interval
+        progress.reserved += saves
+        return tuple(saves)
+
+    def release_saves(self, request, saves: tuple[PendingSave, ...]) -> None:
+        """A launched chunk was rejected: give its reserved slots back (its relaunch
+        reserves again). Whatever the rejected chunk still writes there lands before any
+        later launch's write, in stream order."""
+        reserved = self._progress[request].reserved
+        for save in saves:
+            reserved.remove(save)
+            self.mamba.free_checkpoint_slot(save.slot)
 
     def _next_interval(self, begin: int, position: int) -> int:
         """The first interval position after `position` for a prefill that began at
@@ -215,6 +260,9 @@ class PrefixCache:
         prompt's end or an interval position inside the prompt. Returns the committed length
         at which to call again."""
         progress = self._progress[request]
+        reserved = progress.reserved
+        while reserved and reserved[0].position <= num_computed:
+            self._attach(request, progress, reserved.pop(0))
         self._register_blocks(request, progress, num_computed)
         prompt_end = request.prompt_checkpoint
         interval_position = num_computed == self._next_interval(progress.begin, num_computed - 1)
@@ -226,7 +274,9 @@ class PrefixCache:
         """The committed length at which the request next has a block to register or a
         state to checkpoint."""
         if not progress.node.alive:
-            return NEVER  # its prefix was evicted: nothing more of it is cached
+            # Its prefix was evicted: nothing more of it is cached (reserved slots are
+            # given back when the chunks that write them retire).
+            return progress.reserved[0].position if progress.reserved else NEVER
         next_block = (progress.node.depth + 1) * self.block_size
         if num_computed < prompt_end:
             return min(next_block, self._next_interval(progress.begin, num_computed), prompt_end)
@@ -238,7 +288,11 @@ class PrefixCache:
         failed step), and stop tracking it. Its own earlier checkpoints that nobody used
         become the first to evict: this one is deeper on the same prefix."""
         progress = self._progress.pop(request, None)
-        if progress is None or not save_state or num_computed == 0:
+        if progress is None:
+            return
+        for save in progress.reserved:  # (its chunks in flight are dropped)
+            self.mamba.free_checkpoint_slot(save.slot)
+        if not save_state or num_computed == 0:
             return
         self._register_blocks(request, progress, num_computed)
         if request.checkpoint_at is not None:
@@ -293,14 +347,9 @@ class PrefixCache:
         if existing is not None:
             self._checkpoints.move_to_end(existing)
             return existing
-        slot = self.mamba.take_checkpoint_slot()
+        slot = self._free_slot()
         if slot is None:
-            # The least recently used checkpoint that no resuming request still reads.
-            victim = next((c for c in self._checkpoints if not self.mamba.is_read(c.slot)), None)
-            if victim is None:
-                return None  # no checkpoint slots at all, or every one is being read
-            self._drop_checkpoint(victim)
-            slot = self.mamba.take_checkpoint_slot()
+            return None
         tail_block = -1
         if tail:
             if self.kv.num_free == 0:
@@ -322,6 +371,35 @@ class PrefixCache:
             self.kv.set_cached(tail_block, True)
             self.kv.release((tail_block,))
         return checkpoint
+
+    def _attach(self, request, progress: _Progress, save: PendingSave) -> None:
+        """A retired chunk wrote its state at `save.position` (an interval position, block
+        aligned) into `save.slot`: make it a checkpoint there, unless one is there already or
+        the prefix was evicted (then the slot goes back)."""
+        self._register_blocks(request, progress, save.position)
+        node = progress.node
+        existing = node.checkpoints.get(())
+        if not node.alive or node.depth * self.block_size != save.position or existing is not None:
+            if existing is not None:
+                self._checkpoints.move_to_end(existing)
+            self.mamba.free_checkpoint_slot(save.slot)
+            return
+        checkpoint = Checkpoint(save.position, node, (), -1, save.slot)
+        node.checkpoints[()] = checkpoint
+        self._checkpoints[checkpoint] = None
+        progress.saved.append(checkpoint)
+
+    def _free_slot(self) -> int | None:
+        """A free checkpoint slot, if need be by evicting the least recently used checkpoint
+        that no resuming request still reads; None if there is none."""
+        slot = self.mamba.take_checkpoint_slot()
+        if slot is None:
+            victim = next((c for c in self._checkpoints if not self.mamba.is_read(c.slot)), None)
+            if victim is None:
+                return None  # no checkpoint slots at all, or every one is being read
+            self._drop_checkpoint(victim)
+            slot = self.mamba.take_checkpoint_slot()
+        return slot
 
     # ---- eviction --------------------------------------------------------------------
     def _drop_checkpoint(self, checkpoint: Checkpoint) -> None:

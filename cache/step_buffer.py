@@ -24,12 +24,16 @@ num_tokens). Rows past the step's count are stale and never read.
 | logits_indices      | int64   | [S]        | token whose hidden state is sampled             |
 | new_state_slots     | int64   | [N]        | Mamba state slots to zero before the forward    |
 |                     |         |            | (N: every slot of the state pool)               |
+| save_slots          | int64   | [M]        | prefix caching: checkpoint slot of each state a |
+|                     |         |            | prefill chunk writes from inside itself         |
 | seeds, output_pos   | int64   | [S]        | sampling noise key (seed, output index)         |
 | history_rows        | int64   | [S]        | row of the token-history table (penalties)      |
 | num_drafts          | int64   | [S]        | verify row's draft tokens (0: plain row)        |
 | prompt_lens, history_lens | int64 | [S]    | prompt length / tokens known (penalties)        |
 | cu_seqlens_q        | int32   | [S+1]      | query starts of every sequence                  |
 | prefill_cu_seqlens  | int32   | [S+1]      | query starts of the prefill chunks, from 0      |
+| save_cu             | int32   | [S+1]      | each prefill chunk's first entry in save_*      |
+| save_offsets        | int32   | [M]        | tokens of its chunk before each saved state     |
 | seq_lens            | int32   | [S]        | keys per sequence after this step               |
 | block_tables        | int32   | [S, MB]    | KV block ids of each sequence                   |
 | top_k               | int32   | [S]        | sampling                                        |
@@ -108,14 +112,17 @@ NEUTRAL_SAMPLING = SamplingRow(temperature=0.0, top_p=1.0, min_p=0.0, repetition
                                frequency_penalty=0.0, top_k=0.0, num_logprobs=-1.0)
 
 
-def _fields(max_tokens: int, max_seqs: int, max_blocks: int, max_new_slots: int, max_width: int) -> list[_Field]:
+def _fields(max_tokens: int, max_seqs: int, max_blocks: int, max_new_slots: int, max_width: int,
+            max_saves: int) -> list[_Field]:
     t, s = (max_tokens,), (max_seqs,)
+    max_saves = max(max_saves, 1)  # (a zero-size view would have no address inside the buffer)
     return (
         [_Field(n, torch.int64, t) for n in TOKEN_I64]
         + [_Field(n, torch.int64, s) for n in SEQ_I64]
         + [_Field("verify_dst", torch.int64, (max_width, max_seqs))]
-        + [_Field("new_state_slots", torch.int64, (max_new_slots,))]
+        + [_Field("new_state_slots", torch.int64, (max_new_slots,)), _Field("save_slots", torch.int64, (max_saves,))]
         + [_Field("cu_seqlens_q", torch.int32, (max_seqs + 1,)), _Field("prefill_cu_seqlens", torch.int32, (max_seqs + 1,)),
+           _Field("save_cu", torch.int32, (max_seqs + 1,)), _Field("save_offsets", torch.int32, (max_saves,)),
            _Field("seq_lens", torch.int32, s), _Field("block_tables", torch.int32, (max_seqs, max_blocks)),
            _Field("top_k", torch.int32, s)]
         + [_Field(n, torch.float32, s) for n in SAMPLING_F32]
@@ -167,9 +174,9 @@ class StepBuffer:
     """
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, max_new_slots: int,
-                 device: torch.device, max_width: int = 1):
+                 device: torch.device, max_width: int = 1, max_saves: int = 0):
         self.max_tokens, self.max_seqs, self.max_blocks_per_seq = max_tokens, max_seqs, max_blocks_per_seq
-        fields = _fields(max_tokens, max_seqs, max_blocks_per_seq, max_new_slots, max_width)
+        fields = _fields(max_tokens, max_seqs, max_blocks_per_seq, max_new_slots, max_width, max_saves)
         nbytes = _layout_bytes(fields)
         pin = device.type == "cuda"
         self._host_bytes = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]

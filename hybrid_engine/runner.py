@@ -25,6 +25,7 @@ from hybrid_engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from hybrid_engine.scheduler import ScheduledChunk, SchedulerOutput
 from hybrid_engine.step import StepHandle, StepPlan
 from layers.forward_meta import ForwardMeta
+from layers.kernels.ops import StateSaves
 
 if TYPE_CHECKING:  # (the parallel package imports the step types this module uses)
     from hybrid_engine.parallel.channel import StepSender
@@ -72,8 +73,9 @@ class ModelRunner:
         self.max_blocks_per_seq = kv.blocks_for(max_model_len + max_drafts)
         # Rows padded to the step's width, then the step to the token alignment.
         max_tokens = self._aligned(max_num_batched_tokens + self.max_seqs * max_drafts)
+        # A step's prefix-cache saves each take a checkpoint slot (and a token position).
         self.buffer = StepBuffer(max_tokens, self.max_seqs, self.max_blocks_per_seq, mamba.num_slots, device,
-                                 self.max_width)
+                                 self.max_width, max_saves=min(mamba.checkpoint_slots, max_tokens))
         for layer, (k, v) in zip(model.attention_layers(), kv.kv_caches):
             layer.kv_cache = (k, v)
         for i, mixer in enumerate(model.mamba_mixers()):
@@ -227,10 +229,12 @@ class ModelRunner:
             if width > 1:
                 self._write_verify_rows(decodes, width, token_np)
         num_tokens, max_q = n_dec * width, width
+        num_saves = 0
         if prefills:
             num_tokens, longest = self._write_prefill_rows(prefills, n_dec, num_tokens, rows)
             num_tokens = self._write_tail_padding(num_tokens)
             max_q = max(max_q, longest)
+            num_saves = self._write_saves(prefills)
         h["cu_seqlens_q"][: n_dec + 1] = self._rows[: n_dec + 1] * width
         rows_np = np.array(rows, dtype=np.int64)
         h["block_tables"][:n_seq] = self._block_table[rows_np]
@@ -240,6 +244,7 @@ class ModelRunner:
         plan = self._write_sampling(sched, rows_np, n_dec, num_tokens, max_q)
         plan.num_from_prev = num_from_prev
         plan.num_new_slots = len(new_slots)
+        plan.num_saves = num_saves
         plan.decode_width = width
         if not prefills and width == 1:
             plan.decode_requests = [c.request for c in decodes]
@@ -382,6 +387,22 @@ class ModelRunner:
         h["prefill_cu_seqlens"][: len(prefills) + 1] = cu_np - token_start
         return cu[-1], max(c.num_tokens for c in prefills)
 
+    def _write_saves(self, prefills: list) -> int:
+        """The states the prefill chunks write from inside themselves (prefix-cache
+        checkpoints, `layers.kernels.ops.StateSaves`); returns how many."""
+        if not any(c.saves for c in prefills):
+            return 0
+        h = self.buffer.host_np
+        cu, offsets, slots = [0], [], []
+        for c in prefills:
+            offsets += [save.position - c.start for save in c.saves]
+            slots += [save.slot for save in c.saves]
+            cu.append(len(offsets))
+        h["save_cu"][: len(cu)] = cu
+        h["save_offsets"][: len(offsets)] = offsets
+        h["save_slots"][: len(slots)] = slots
+        return len(offsets)
+
     def _write_tail_padding(self, num_tokens: int) -> int:
         """Round a prompt step's `num_tokens` up to the token alignment with padding tokens
         after the last sequence: they belong to no sequence, write no KV (slot -1), and
@@ -471,6 +492,8 @@ class ModelRunner:
             prefill_cu_seqlens=d["prefill_cu_seqlens"][: plan.num_prefill + 1], seq_lens=d["seq_lens"][:s],
             block_tables=d["block_tables"][:s], mamba_src=d["mamba_src"][:s], mamba_dst=d["mamba_dst"][:s],
             logits_indices=d["logits_indices"][:s],
+            state_saves=StateSaves(d["save_cu"][: plan.num_prefill + 1], d["save_offsets"][: plan.num_saves],
+                                   d["save_slots"][: plan.num_saves]) if plan.num_saves else None,
         )
 
     def _sampling_tensors(self, plan: StepPlan, meta: ForwardMeta, input_ids: torch.Tensor) -> SamplingTensors:

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 from cache.kv_cache import KVBlockAllocator
 from cache.mamba_cache import MambaStateAllocator
-from cache.prefix_cache import PrefixCache, PrefixHit
+from cache.prefix_cache import PendingSave, PrefixCache, PrefixHit
 from hybrid_engine.request import Request, RequestStatus
 from hybrid_engine.spec.drafter import Drafter, DraftRow
 
@@ -69,7 +69,8 @@ class ScheduledChunk:
     used only when the chunk's input token is still in flight, i.e. sampled there.
     `drafts`: a verify row's draft tokens (positions start+1 ...; num_tokens = 1 + drafts).
     `state_src` / `state_dsts`: the Mamba slot the row reads and the slots it writes, one
-    per position (from `MambaStateAllocator.launch`)."""
+    per position (from `MambaStateAllocator.launch`). `saves`: prefix-cache checkpoints the
+    chunk writes from inside itself (`PrefixCache.reserve_saves`)."""
 
     request: Request
     start: int
@@ -79,6 +80,7 @@ class ScheduledChunk:
     drafts: Sequence[int] = ()  # immutable default: no list allocated per plain decode row
     state_src: int = -1
     state_dsts: tuple[int, ...] = ()
+    saves: tuple[PendingSave, ...] = ()
 
     @property
     def num_samples(self) -> int:
@@ -171,6 +173,8 @@ class Scheduler:
         for j, chunk in enumerate(out.prefills):  # (decode rows launched in _try_schedule)
             request = chunk.request
             chunk.state_src, chunk.state_dsts = self.mamba.launch(request.state)
+            if self.cache is not None:
+                chunk.saves = self.cache.reserve_saves(request, chunk.start, chunk.num_tokens)
             request.num_scheduled += chunk.num_tokens
             request.pending_samples += chunk.samples
             request.inflight += 1
@@ -310,7 +314,7 @@ class Scheduler:
 
     def _prefill_chunk(self, request: Request, budget: int) -> ScheduledChunk | None:
         """The next prefill chunk that fits the budget and the KV pool (blocks reserved),
-        ending at the next prefix-cache checkpoint position if it would pass one."""
+        ending at the prompt-end checkpoint if tokens follow it (prefix caching)."""
         start, end = request.num_scheduled, request.num_tokens_when_retired
         held = len(request.blocks) * self.kv.block_size - start
         fits = held + self.kv.num_free * self.kv.block_size
@@ -364,6 +368,8 @@ class Scheduler:
         request.pending_samples -= chunk.num_samples
         request.inflight_drafts = []
         self.mamba.reject(request.state)
+        if chunk.saves:
+            self.cache.release_saves(request, chunk.saves)
 
     def retire(self, chunks: list[ScheduledChunk], valid: list[bool], token_ids: list[int],
                logprobs: list[list[tuple[int, float]]] | None,

@@ -23,6 +23,7 @@ class StepPlan:
     num_from_prev: int  # decode rows whose input is the previous step's sample (on device)
     decode_width: int = 1  # tokens per decode row: 1 + the most drafts of a verify row
     num_new_slots: int = 0  # Mamba state slots to zero before the forward
+    num_saves: int = 0  # Mamba states the prefill chunks write from inside themselves (prefix caching)
     host_index: int = -1  # the step buffer's host buffer this step was written into
     decode_requests: list[Request] | None = None  # a decode-only step's rows, in order
 

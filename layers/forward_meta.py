@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from layers.kernels.ops import StateSaves
+
 
 @dataclass
 class ForwardMeta:
@@ -36,6 +38,9 @@ class ForwardMeta:
     # row contiguous; -1 = padding); None when width 1.
     decode_width: int = 1
     verify_dst: torch.Tensor | None = None
+    # Prefix caching: Mamba states the prefill chunks also write from inside themselves
+    # (checkpoints at interval positions); None when the step has none.
+    state_saves: StateSaves | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -4,7 +4,7 @@ Semantics follow mamba-ssm and transformers: in_proj -> (z, xBC, dt); depthwise 
 conv + SiLU over xBC; dt = softplus(dt + dt_bias); A = -exp(A_log); SSD scan with groups
 and D skip; gated group RMSNorm (norm after gating); out_proj. Decode rows (one token,
 state carried) take the recurrent update, prefill chunks the chunked scan; both read the
-state at `mamba_src` and write it at `mamba_dst`.
+state at `mamba_src` and write it at `mamba_dst` (prefill chunks also at `state_saves`).
 
 Tensor parallel (`tp`, world size N): each rank holds an even share of the heads and the
 groups of B/C they read: a share of the groups when N divides their number, else the one
@@ -126,10 +126,12 @@ class Mamba2Mixer(nn.Module):
         if meta.num_prefill:
             src, dst = meta.mamba_src[meta.num_decode:meta.num_seqs], meta.mamba_dst[meta.num_decode:meta.num_seqs]
             cu = meta.prefill_cu_seqlens
-            xbc_p = kernels.causal_conv1d_varlen(xbc[nd:], weight, self.conv1d.bias, self.conv_state, cu, src, dst)
+            saves = meta.state_saves
+            xbc_p = kernels.causal_conv1d_varlen(xbc[nd:], weight, self.conv1d.bias, self.conv_state, cu, src, dst,
+                                                 saves=saves)
             xs, b, c = self._split_xbc(xbc_p)
             ys.append(kernels.ssd_chunk_scan_varlen(xs, dt[nd:], a, b, c, self.D, cu, self.ssm_state, src, dst,
-                                                    self.dt_bias, self.dt_limit, meta.prompt_token_mask[nd:]))
+                                                    self.dt_bias, self.dt_limit, meta.prompt_token_mask[nd:], saves))
         y = torch.cat(ys) if len(ys) > 1 else ys[0]
         y = y.reshape(x.shape[0], self.d_ssm)
         if self.norm_spans_ranks:

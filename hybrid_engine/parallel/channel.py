@@ -49,13 +49,14 @@ class StepHeader:
     num_from_prev: int
     decode_width: int
     num_new_slots: int
+    num_saves: int
     device_ops_bytes: int  # size of the pickled device-op log that follows (0: none)
 
     @classmethod
     def of_plan(cls, engine: int, plan: StepPlan, device_ops_bytes: int) -> "StepHeader":
         return cls(KIND_STEP, engine, plan.num_decode, plan.num_prefill, plan.num_tokens, plan.max_seqlen_q,
                    plan.num_logprobs, int(plan.all_greedy), int(plan.use_penalties), plan.num_from_prev,
-                   plan.decode_width, plan.num_new_slots, device_ops_bytes)
+                   plan.decode_width, plan.num_new_slots, plan.num_saves, device_ops_bytes)
 
     def plan(self) -> StepPlan:
         """The device-side plan of the step (no requests: a worker never sees them)."""
@@ -63,7 +64,7 @@ class StepHeader:
                         num_tokens=self.num_tokens, max_seqlen_q=self.max_seqlen_q, num_logprobs=self.num_logprobs,
                         all_greedy=bool(self.all_greedy), use_penalties=bool(self.use_penalties),
                         num_from_prev=self.num_from_prev, decode_width=self.decode_width,
-                        num_new_slots=self.num_new_slots)
+                        num_new_slots=self.num_new_slots, num_saves=self.num_saves)
 
 
 _HEADER_LEN = len(StepHeader.__dataclass_fields__)

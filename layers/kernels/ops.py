@@ -17,9 +17,23 @@ Conventions shared by the ops:
   oldest first).
 """
 import math
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
+
+
+class StateSaves(NamedTuple):
+    """Mamba states a prefill step also writes from inside its chunks (prefix-cache
+    checkpoints at interval positions, so a long prompt is not cut into chunks for them):
+    prefill sequence s writes its conv and SSM state after its first `offsets[k]` tokens
+    to slot `slots[k]`, for k in [cu[s], cu[s+1]). Within a sequence the offsets increase
+    and lie strictly inside it (0 < offset < its length); a save slot is no sequence's src
+    or dst. Scans restart their blocking at each offset, so a sequence's outputs and states
+    are those of the same tokens cut into chunks there."""
+
+    cu: torch.Tensor  # [S+1] int32: each prefill sequence's first save
+    offsets: torch.Tensor  # [N] int32: tokens of the sequence before the saved state
+    slots: torch.Tensor  # [N] int64: where the state goes
 
 
 @runtime_checkable
@@ -70,9 +84,11 @@ class KernelOps(Protocol):
 
     def causal_conv1d_varlen(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              conv_states: torch.Tensor, cu_seqlens: torch.Tensor, src_slots: torch.Tensor,
-                             dst_slots: torch.Tensor, activation: str | None = "silu") -> torch.Tensor:
+                             dst_slots: torch.Tensor, activation: str | None = "silu",
+                             saves: StateSaves | None = None) -> torch.Tensor:
         """Depthwise causal conv over packed prefill chunks, continuing from each sequence's
-        saved state. x: [T, D]; weight: [D, K]; bias: [D] or None. Returns [T, D] in x's dtype."""
+        saved state. x: [T, D]; weight: [D, K]; bias: [D] or None. Returns [T, D] in x's
+        dtype. `saves`: conv states also written from inside the sequences (`StateSaves`)."""
 
     def causal_conv1d_update(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              conv_states: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor,
@@ -84,9 +100,12 @@ class KernelOps(Protocol):
                               C: torch.Tensor, D: torch.Tensor, cu_seqlens: torch.Tensor, ssm_states: torch.Tensor,
                               src_slots: torch.Tensor, dst_slots: torch.Tensor, dt_bias: torch.Tensor | None = None,
                               dt_limit: tuple[float, float] = (0.0, math.inf),
-                              dt_limit_mask: torch.Tensor | None = None) -> torch.Tensor:
+                              dt_limit_mask: torch.Tensor | None = None,
+                              saves: StateSaves | None = None) -> torch.Tensor:
         """Mamba-2 SSD scan over packed prefill chunks (how it blocks the scan is each
-        implementation's choice: the result does not depend on it). x: [T, H, P]; A, D: [H];
+        implementation's choice: the result does not depend on it, up to rounding; with
+        `saves`, SSM states also written from inside the sequences, the blocking restarts at
+        each save, see `StateSaves`). x: [T, H, P]; A, D: [H];
         B, C: [T, G, N]. dt: [T, H] (any row stride) as the scan uses it, float32, or raw
         when `dt_bias` [H] is given: softplus(dt + dt_bias) in float32 is applied inside.
         Then the tokens where `dt_limit_mask` [T] bool is True (all tokens when None) are

@@ -202,9 +202,8 @@ def test_chunk_limit_and_commit_schedule():
     def limit(start: int, num_tokens: int, prompt_len: int) -> int:  # (a request not admitted yet)
         return cache.chunk_limit(FakeRequest(list(range(prompt_len)), []), start, num_tokens)
 
-    assert limit(0, 20, 30) == 8
-    assert limit(8, 20, 30) == 8
-    assert limit(3, 4, 30) == 4  # does not reach a boundary
+    assert limit(0, 20, 30) == 20  # interval positions (8, 16) do not cut chunks: saved from inside
+    assert limit(3, 4, 30) == 4
     assert limit(20, 4, 24) == 4  # ends at the prompt's end
     # Tokens after the prompt's end (a recomputed request's output, a draft proposal's
     # in-flight drafts): the chunk splits there, where the prompt-end checkpoint goes.
@@ -219,9 +218,20 @@ def test_chunk_limit_and_commit_schedule():
     assert cache.num_checkpoints == 2
 
 
+def launch_chunk(mamba, cache, request, start: int, num_tokens: int):
+    """Launch a prefill chunk as the scheduler does: its slots, and the checkpoint slots it
+    writes from inside itself (the 'kernel' marks each with its position)."""
+    _, dsts = mamba.launch(request.state)
+    saves = cache.reserve_saves(request, start, num_tokens)
+    for save in saves:
+        mamba.conv_states[:, save.slot] = save.position
+    return dsts, saves
+
+
 def test_interval_checkpoints_lie_an_interval_past_where_the_prefill_began():
-    """A prefill resuming at 11 (interval 8) is not split for a checkpoint at 16, five
-    tokens past its start: its first interval checkpoint is at 24."""
+    """A prefill resuming at 11 (interval 8) gets no checkpoint at 16, five tokens past its
+    start: its first interval checkpoint is at 24, written from inside the chunk that
+    passes it, and attached when that chunk commits."""
     kv, mamba, cache = make(interval=8)
     first = list(range(100, 112))
     run_request(kv, mamba, cache, first)  # checkpoints at 8 (interval) and 11 (finish)
@@ -229,23 +239,67 @@ def test_interval_checkpoints_lie_an_interval_past_where_the_prefill_began():
     hit = cache.acquire(second)
     assert hit.position == 11
     request = FakeRequest(prompt_token_ids=second, output_token_ids=[], blocks=hit.blocks)
-    assert cache.chunk_limit(request, 11, 21) == 13  # (before admission) ends at 24, not 16
     request.state = mamba.allocate(hit.checkpoint.slot)
     commit_at = cache.resume(request, hit)
     request.blocks += kv.allocate(kv.blocks_for(len(second)) - len(request.blocks))
-    # The token budget cuts the first chunk at 20: the next one still ends at 24.
-    assert cache.chunk_limit(request, 20, 12) == 4
-    for end in (20, 24, 32):  # the chunk ends; the state each leaves is committed
-        mamba.commit(request.state, mamba.launch(request.state)[1])
-        if end >= commit_at:
-            commit_at = cache.commit(request, end)
-    cache.finish(request, 32)
+    chunks = [(11, 9), (20, 12)]  # the token budget cuts the prefill at 20
+    launched = [launch_chunk(mamba, cache, request, start, n) for start, n in chunks]
+    assert [[save.position for save in saves] for _, saves in launched] == [[], [24]]
+    for (start, n), (dsts, _) in zip(chunks, launched):
+        mamba.commit(request.state, dsts)
+        if start + n >= commit_at:
+            commit_at = cache.commit(request, start + n)
+    cache.finish(request, 31)
     positions = []
     for length in (20, 26):
         found = cache.acquire(second[:length] + [999])
         positions.append(found.position)
+        if found.position == 24:
+            assert mamba.conv_states[0, found.checkpoint.slot].eq(24).all()  # the state the chunk saved
         cache.cancel(found)
     assert positions == [11, 24]
+
+
+def test_reserved_checkpoint_slots_always_go_back():
+    """A slot reserved for a save inside a launched chunk becomes a checkpoint when the
+    chunk commits, and returns to the pool otherwise: the launch is rejected, the request
+    ends with the chunk in flight, or a checkpoint is already there."""
+    kv, mamba, cache = make(num_blocks=64, checkpoints=6, interval=8)
+    prompt = list(range(300, 340))  # 40 tokens: interval positions 8 .. 32 inside it
+
+    def admitted(tokens):
+        request = FakeRequest(prompt_token_ids=tokens, output_token_ids=[], blocks=kv.allocate(kv.blocks_for(40)))
+        request.state = mamba.allocate()
+        return request, cache.start(request)
+
+    free = mamba._free_checkpoint_slots
+    request, _ = admitted(prompt)
+    dsts, saves = launch_chunk(mamba, cache, request, 0, 30)
+    assert [save.position for save in saves] == [8, 16, 24] and len(free) == 3
+    mamba.reject(request.state)
+    cache.release_saves(request, saves)  # rejected: relaunched later, reserving again
+    assert len(free) == 6
+    dsts, saves = launch_chunk(mamba, cache, request, 0, 30)
+    cache.finish(request, 0)  # ended (aborted) with the chunk in flight
+    assert len(free) == 6 and cache.num_checkpoints == 0
+    mamba.free(request.state)
+    kv.release(request.blocks)
+
+    first, commit_at = admitted(prompt)
+    dsts, saves = launch_chunk(mamba, cache, first, 0, 30)
+    mamba.commit(first.state, dsts)
+    assert commit_at <= 30
+    cache.commit(first, 30)
+    assert cache.num_checkpoints == 3 and len(free) == 3
+    second, commit_at = admitted(prompt)  # the same prompt again, not resumed
+    dsts, saves = launch_chunk(mamba, cache, second, 0, 20)
+    assert len(saves) == 2 and len(free) == 1
+    mamba.commit(second.state, dsts)
+    cache.commit(second, 20)  # 8 and 16 are checkpoints already: the reserved slots go back
+    assert cache.num_checkpoints == 3 and len(free) == 3
+    hit = cache.acquire(prompt[:27] + [1])
+    assert hit.position == 24 and mamba.conv_states[0, hit.checkpoint.slot].eq(24).all()
+    cache.cancel(hit)
 
 
 def test_a_request_may_place_its_prompt_end_checkpoint_later():

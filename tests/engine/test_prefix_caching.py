@@ -187,8 +187,8 @@ def test_seeded_sampling_and_penalties_resume_exactly(checkpoint):
 
 def test_shared_system_prompt_across_concurrent_requests(checkpoint):
     """Later conversations resume inside the system prompt, from an interval checkpoint of
-    an earlier one (the interval is 8 tokens here) -- as deep as that one has prefilled
-    when they arrive, which its chunks ending at checkpoint positions makes 8, 16, ..."""
+    an earlier one (the interval is 8 tokens here), which that one's chunk wrote from
+    inside itself: 8, 16, ..., as deep as it has prefilled when they arrive."""
     path, hf = checkpoint
     gen = torch.Generator().manual_seed(11)
     system = torch.randint(3, hf.config.vocab_size, (37,), generator=gen).tolist()
@@ -220,6 +220,46 @@ def test_kv_and_checkpoint_pressure_pause_evict_and_stay_exact(checkpoint, async
     assert_same_turns(cached, uncached, UNCACHED_ATOL)
     assert_matches_hf(hf, cached)
     assert stats["free_kv_blocks"] == stats["total_kv_blocks"]  # everything back (cached blocks count free)
+
+
+def test_interval_checkpoints_do_not_cut_prompts_into_chunks(checkpoint):
+    """A burst of long prompts is chunked exactly as without caching (first come, first
+    served; interval checkpoints are written from inside the chunks), the checkpoints are
+    there, and a request sharing part of a prompt resumes at one, with HF's tokens."""
+    path, hf = checkpoint
+    gen = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(3, hf.config.vocab_size, (45,), generator=gen).tolist() for _ in range(3)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    kw = dict(kv_block_size=4, max_num_batched_tokens=64, prefix_cache_checkpoint_interval=8)
+    chunks = {}
+    for caching in (True, False):
+        engine = engine_for(path, enable_prefix_caching=caching, **kw)
+        schedule, launched = engine.scheduler.schedule, []
+
+        def logged(*args, **kwargs):
+            out = schedule(*args, **kwargs)
+            launched.append([(c.request.request_id, c.start, c.num_tokens) for c in out.prefills])
+            return out
+
+        engine.scheduler.schedule = logged
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"p{i}", prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        chunks[caching] = launched
+        if caching:
+            # p0 in one chunk, p1 cut by the budget at 19, p2 from 0 and on: checkpoints
+            # at 8 .. 40 of each (40 of p0 and p1; p2's at 40 lies in its second chunk).
+            assert engine.stats()["prefix_cache_checkpoints"] >= 15
+            engine.scheduler.schedule = schedule
+            shared = prompts[1][:22] + torch.randint(3, hf.config.vocab_size, (6,), generator=gen).tolist()
+            engine.add_request("shared", shared, params)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    resumed = out
+    assert chunks[True] == chunks[False] and chunks[True][0] == [("p0", 0, 45), ("p1", 0, 19)]
+    assert resumed.num_cached_tokens == 16  # the interval checkpoint p1's first chunk wrote from inside
+    assert hf_logprobs(hf, shared, resumed.output_token_ids).argmax(dim=-1).tolist() == resumed.output_token_ids
 
 
 def test_prompt_end_checkpoint_equals_the_state_its_prefill_produced(checkpoint):

@@ -150,7 +150,10 @@ def check_pools(engine, requests) -> None:
     assert not released & (set(slots) | set(mamba._free_checkpoint_slots))
     read = {r.state.reads_checkpoint for r in requests if r.state is not None and r.state.reads_checkpoint >= 0}
     assert released <= read <= set(slots) | released
-    assert len(slots) + len(mamba._free_checkpoint_slots) + len(released) == mamba.checkpoint_slots
+    # Slots reserved for states that launched chunks write from inside themselves.
+    reserved = [save.slot for progress in cache._progress.values() for save in progress.reserved]
+    assert len(set(reserved)) == len(reserved) and not set(reserved) & (set(slots) | released)
+    assert len(slots) + len(mamba._free_checkpoint_slots) + len(released) + len(reserved) == mamba.checkpoint_slots
 
 
 def random_workload(engine, seed: int, fail_rate: float = 0.0):

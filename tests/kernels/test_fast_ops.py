@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from layers.kernels import OP_NAMES
 from layers.kernels import reference as ref
+from layers.kernels.ops import StateSaves
 
 pytestmark = pytest.mark.gpu
 RUNS_IN_TRITON_INTERPRETER = True  # conftest: TRITON_INTERPRET=1 runs these on the CPU
@@ -364,6 +365,20 @@ def _varlen_plan(lens: list[int], padded: list[bool], in_place: bool, extra_toke
     return src, dst, valid, num_slots, cu, tokens, tok_valid
 
 
+def _saves_plan(lens: list[int], valid: torch.Tensor, first_slot: int) -> tuple[StateSaves, torch.Tensor]:
+    """States saved from inside every valid sequence of 2+ tokens, at offsets 1 (a window
+    that reaches into the old state), the middle, and one before the end; their slots
+    follow the sequences' own. Returns (saves, slots)."""
+    cu, offsets = [0], []
+    for length, ok in zip(lens, valid.tolist()):
+        if ok and length >= 2:
+            offsets += sorted({1, length // 2, length - 1})
+        cu.append(len(offsets))
+    slots = torch.arange(first_slot, first_slot + len(offsets), device=DEVICE)
+    return StateSaves(torch.tensor(cu, dtype=torch.int32, device=DEVICE),
+                      torch.tensor(offsets, dtype=torch.int32, device=DEVICE), slots), slots
+
+
 VARLEN_CASES = [([1], [False]), ([2, 5, 1], [False, True, False]), ([37, 3, 130, 64], [False, False, False, True]),
                 # enough sequences for several halvings of the kernels' token -> sequence search
                 ([1, 4, 2, 1, 7, 3, 1, 1, 5, 2, 33], [False] * 9 + [True, False])]
@@ -372,20 +387,25 @@ VARLEN_CASES = [([1], [False]), ([2, 5, 1], [False, True, False]), ([37, 3, 130,
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lens,padded", VARLEN_CASES)
 @pytest.mark.parametrize("in_place", [False, True])
-def test_causal_conv1d_varlen(dtype: torch.dtype, lens: list[int], padded: list[bool], in_place: bool) -> None:
+@pytest.mark.parametrize("with_saves", [False, True])
+def test_causal_conv1d_varlen(dtype: torch.dtype, lens: list[int], padded: list[bool], in_place: bool,
+                              with_saves: bool) -> None:
+    """`with_saves`: states also written from inside the sequences (prefix-cache checkpoints)."""
     dim, width = 200, 4
     src, dst, valid, num_slots, cu, tokens, tok_valid = _varlen_plan(lens, padded, in_place, extra_tokens=3)
-    states = randn(num_slots, dim, width - 1, dtype=dtype)
+    saves, save_slots = _saves_plan(lens, valid, num_slots) if with_saves else (None, dst[:0])
+    states = randn(num_slots + len(save_slots), dim, width - 1, dtype=dtype)
+    states[save_slots] = float("nan")
     if not in_place:
         states[dst[valid]] = float("nan")
     x = randn(tokens, 3 * dim, dtype=dtype)[:, dim:2 * dim]
     weight, bias = randn(dim, width, dtype=dtype), randn(dim, dtype=dtype)
     expected_states = states.clone()
-    expected = ref.causal_conv1d_varlen(x, weight, bias, expected_states, cu, src, dst)
-    out = conv1d.causal_conv1d_varlen(x, weight, bias, states, cu, src, dst)
+    expected = ref.causal_conv1d_varlen(x, weight, bias, expected_states, cu, src, dst, saves=saves)
+    out = conv1d.causal_conv1d_varlen(x, weight, bias, states, cu, src, dst, saves=saves)
     assert_close(out[tok_valid], expected[tok_valid], TOL[dtype])
     assert (out[~tok_valid] == 0).all()
-    check_pool(states, expected_states, dst[valid], TOL[dtype])
+    check_pool(states, expected_states, torch.cat([dst[valid], save_slots]), TOL[dtype])
 
 
 # ---------------------------------------------------------------- SSD / state update
@@ -433,13 +453,15 @@ def test_ssm_state_update(dtype: torch.dtype, batch: int, in_place: bool, shape:
 
 
 def _check_ssd(dtype: torch.dtype, lens: list[int], padded: list[bool], in_place: bool,
-               shape: tuple[int, int, int, int], dt_form: str = "processed") -> None:
+               shape: tuple[int, int, int, int], dt_form: str = "processed", with_saves: bool = False) -> None:
     """The Triton SSD against the reference on one case: outputs, and every state slot."""
     from layers.kernels.triton import ssd
 
     heads, head_dim, groups, state = shape
     src, dst, valid, num_slots, cu, tokens, tok_valid = _varlen_plan(lens, padded, in_place, extra_tokens=2)
-    states = randn(num_slots, heads, head_dim, state, scale=0.5)
+    saves, save_slots = _saves_plan(lens, valid, num_slots) if with_saves else (None, dst[:0])
+    states = randn(num_slots + len(save_slots), heads, head_dim, state, scale=0.5)
+    states[save_slots] = float("nan")
     if not in_place:
         states[dst[valid]] = float("nan")
     x, dt, a, b, c, d_skip = _ssm_inputs(tokens, heads, head_dim, groups, state, dtype)
@@ -452,11 +474,11 @@ def _check_ssd(dtype: torch.dtype, lens: list[int], padded: list[bool], in_place
         if "masked" in dt_form:
             kwargs["dt_limit_mask"] = torch.rand(tokens, device=DEVICE) < 0.5
     expected_states = states.clone()
-    expected = ref.ssd_chunk_scan_varlen(x, dt, a, b, c, d_skip, cu, expected_states, src, dst, **kwargs)
-    out = ssd.ssd_chunk_scan_varlen(x, dt, a, b, c, d_skip, cu, states, src, dst, **kwargs)
+    expected = ref.ssd_chunk_scan_varlen(x, dt, a, b, c, d_skip, cu, expected_states, src, dst, **kwargs, saves=saves)
+    out = ssd.ssd_chunk_scan_varlen(x, dt, a, b, c, d_skip, cu, states, src, dst, **kwargs, saves=saves)
     assert_close(out[tok_valid], expected[tok_valid], TOL[dtype])
     assert (out[~tok_valid] == 0).all()
-    check_pool(states, expected_states, dst[valid], TOL[dtype])
+    check_pool(states, expected_states, torch.cat([dst[valid], save_slots]), TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -466,6 +488,16 @@ def _check_ssd(dtype: torch.dtype, lens: list[int], padded: list[bool], in_place
 def test_ssd_chunk_scan_varlen(dtype: torch.dtype, lens: list[int], padded: list[bool], in_place: bool,
                                shape: tuple[int, int, int, int]) -> None:
     _check_ssd(dtype, lens, padded, in_place, shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lens,padded", VARLEN_CASES)
+@pytest.mark.parametrize("in_place", [False, True])
+def test_ssd_chunk_scan_varlen_with_saves(dtype: torch.dtype, lens: list[int], padded: list[bool],
+                                          in_place: bool) -> None:
+    """States also written from inside the sequences (prefix-cache checkpoints): the scan
+    restarts its blocks there, as the reference does, with the dt limit of prompt tokens."""
+    _check_ssd(dtype, lens, padded, in_place, SSD_SHAPES[2], "raw+masked limit", with_saves=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

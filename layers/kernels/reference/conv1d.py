@@ -9,6 +9,7 @@ must not touch any state.
 import torch
 import torch.nn.functional as F
 
+from layers.kernels.ops import StateSaves
 from layers.kernels.reference.linear import linear
 
 
@@ -29,25 +30,30 @@ def causal_conv1d_varlen(
     src_slots: torch.Tensor,
     dst_slots: torch.Tensor,
     activation: str | None = "silu",
+    saves: StateSaves | None = None,
 ) -> torch.Tensor:
     """Causal conv over packed sequences (prefill chunks) continuing from saved state.
 
     x: [T, D] packed tokens; weight: [D, K]; bias: [D] or None; conv_states: [slots, D, K-1];
     cu_seqlens: [S+1]; src_slots / dst_slots: [S]. Returns y: [T, D] in x's dtype.
+    `saves`: the state after a sequence's first `offsets[k]` tokens also goes to `slots[k]`.
     """
     k = weight.shape[1]
     out = torch.zeros_like(x)  # padding sequences and tokens past cu_seqlens[-1] stay zero
     bounds = cu_seqlens.tolist()
     src, dst = src_slots.tolist(), dst_slots.tolist()
+    save_cu, offsets, save_slots = (t.tolist() for t in saves) if saves is not None else ([0] * len(bounds), [], [])
     new_states = []
     for s in range(len(bounds) - 1):
         lo, hi = bounds[s], bounds[s + 1]
         if src[s] < 0:
             continue
         history = conv_states[src[s]].to(x.dtype)  # [D, K-1]
-        seq = torch.cat([history, x[lo:hi].t()], dim=1)  # [D, K-1+L]
+        seq = torch.cat([history, x[lo:hi].t()], dim=1)  # [D, K-1+L]: the state after t tokens is seq[:, t:t+K-1]
         y = F.conv1d(seq.unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), bias, groups=weight.shape[0])[0]
         out[lo:hi] = _activate(y, activation).t().to(x.dtype)
+        for j in range(save_cu[s], save_cu[s + 1]):
+            new_states.append((save_slots[j], seq[:, offsets[j]:offsets[j] + k - 1]))
         new_states.append((dst[s], seq[:, -(k - 1):]))
     # States are written after all reads so src == dst of another row can never be clobbered.
     for slot, state in new_states:

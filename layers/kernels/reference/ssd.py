@@ -14,6 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from layers.kernels.ops import StateSaves
 from layers.kernels.reference.conv1d import run_verify_positions
 
 # Tokens per block of the chunked scan. The result does not depend on it (the blocking is
@@ -98,13 +99,15 @@ def ssd_chunk_scan_varlen(
     dt_bias: torch.Tensor | None = None,
     dt_limit: tuple[float, float] = (0.0, math.inf),
     dt_limit_mask: torch.Tensor | None = None,
+    saves: StateSaves | None = None,
 ) -> torch.Tensor:
     """Chunked SSD over packed variable-length sequences (prefill chunks), in blocks of `CHUNK`.
 
     x: [T, H, P]; dt: [T, H], used as `process_dt(dt, dt_bias, dt_limit, dt_limit_mask)`;
     A, D: [H]; B, C: [T, G, N]; cu_seqlens: [S+1]; ssm_states: [slots, H, P, N] float32;
     each sequence starts from `ssm_states[src_slots[s]]` and its final state goes to
-    `ssm_states[dst_slots[s]]`.
+    `ssm_states[dst_slots[s]]`. `saves`: the state after a sequence's first `offsets[k]`
+    tokens also goes to `slots[k]`; the blocks restart there.
     Returns y: [T, H, P] in x's dtype (D skip included, gate not applied).
     """
     heads = x.shape[1]
@@ -113,6 +116,7 @@ def ssd_chunk_scan_varlen(
     out = torch.zeros_like(x)  # padding sequences and tokens past cu_seqlens[-1] stay zero
     bounds = cu_seqlens.tolist()
     src, dst = src_slots.tolist(), dst_slots.tolist()
+    save_cu, offsets, save_slots = (t.tolist() for t in saves) if saves is not None else ([0] * len(bounds), [], [])
     finals = []
     for s in range(len(bounds) - 1):
         lo, hi = bounds[s], bounds[s + 1]
@@ -121,9 +125,15 @@ def ssd_chunk_scan_varlen(
         xs = x[lo:hi].float()
         bs = B[lo:hi].float().repeat_interleave(rep, dim=1)
         cs = C[lo:hi].float().repeat_interleave(rep, dim=1)
-        y, final = _ssd_one_sequence(xs, dt[lo:hi], A.float(), bs, cs, ssm_states[src[s]].float())
-        out[lo:hi] = (y + D.float()[:, None] * xs).to(x.dtype)
-        finals.append((dst[s], final))
+        state = ssm_states[src[s]].float()
+        ends = [offsets[j] for j in range(save_cu[s], save_cu[s + 1])] + [hi - lo]
+        begin = 0
+        for j, end in enumerate(ends):  # segment by segment: the blocks restart at each save
+            y, state = _ssd_one_sequence(xs[begin:end], dt[lo + begin:lo + end], A.float(), bs[begin:end],
+                                         cs[begin:end], state)
+            out[lo + begin:lo + end] = (y + D.float()[:, None] * xs[begin:end]).to(x.dtype)
+            finals.append((save_slots[save_cu[s] + j] if j < len(ends) - 1 else dst[s], state))
+            begin = end
     for slot, state in finals:  # after all reads: a dst may be another row's src
         ssm_states[slot] = state.to(ssm_states.dtype)
     return out

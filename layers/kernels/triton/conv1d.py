@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from layers.kernels.ops import StateSaves
 from layers.kernels.triton.device import pdl, wait_for_previous_kernel
 
 
@@ -86,10 +87,24 @@ def _conv_varlen_kernel(
 
 
 @triton.jit
+def _conv_window(x_ptr, states_ptr, start, length, src, d, d_in, c, col_in, stride_xt, stride_slot, stride_sd,
+                 stride_sk, K: tl.constexpr):
+    """The conv state after a sequence's first `length` tokens, [BD, BK] float32: column c
+    holds input position length-(K-1)+c, from x or, before the sequence, from its old state."""
+    p = length - (K - 1) + c
+    xv = tl.load(x_ptr + (start + p)[None, :] * stride_xt + d[:, None],
+                 mask=d_in[:, None] & (col_in & (p >= 0))[None, :], other=0.0).to(tl.float32)
+    old = states_ptr + src.to(tl.int64) * stride_slot + d[:, None] * stride_sd
+    sv = tl.load(old + (p + K - 1)[None, :] * stride_sk, mask=d_in[:, None] & (col_in & (p < 0))[None, :],
+                 other=0.0).to(tl.float32)
+    return xv + sv
+
+
+@triton.jit
 def _conv_final_state_kernel(
-    x_ptr, states_ptr, cu_ptr, src_ptr, dst_ptr, dim,
+    x_ptr, states_ptr, cu_ptr, src_ptr, dst_ptr, save_cu_ptr, save_offset_ptr, save_slot_ptr, dim,
     stride_xt, stride_slot, stride_sd, stride_sk,
-    K: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr,
+    K: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, HAS_SAVES: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     # A launch after the conv kernel, whose programs read the src slots: it may then write
@@ -105,19 +120,25 @@ def _conv_final_state_kernel(
     start = tl.load(cu_ptr + seq)
     length = tl.load(cu_ptr + seq + 1) - start
     c = tl.arange(0, BK)
-    # The new state column c holds input position length-(K-1)+c (from x or, for short
-    # sequences, from the old state).
-    p = length - (K - 1) + c
     col_in = c < K - 1
-    xv = tl.load(x_ptr + (start + p)[None, :] * stride_xt + d[:, None],
-                 mask=d_in[:, None] & (col_in & (p >= 0))[None, :], other=0.0).to(tl.float32)
-    sv = tl.load(states_ptr + src.to(tl.int64) * stride_slot + d[:, None] * stride_sd + (p + K - 1)[None, :] * stride_sk,
-                 mask=d_in[:, None] & (col_in & (p < 0))[None, :], other=0.0).to(tl.float32)
+    cols = d[:, None] * stride_sd + c[None, :] * stride_sk
+    if HAS_SAVES:  # states from inside the sequence (`StateSaves`), to slots nobody reads here
+        save = tl.load(save_cu_ptr + seq)
+        save_end = tl.load(save_cu_ptr + seq + 1)
+        while save < save_end:
+            window = _conv_window(x_ptr, states_ptr, start, tl.load(save_offset_ptr + save), src, d, d_in, c, col_in,
+                                  stride_xt, stride_slot, stride_sd, stride_sk, K)
+            slot = tl.load(save_slot_ptr + save).to(tl.int64)
+            tl.store(states_ptr + slot * stride_slot + cols, window.to(states_ptr.dtype.element_ty),
+                     mask=d_in[:, None] & col_in[None, :])
+            save += 1
+    window = _conv_window(x_ptr, states_ptr, start, length, src, d, d_in, c, col_in, stride_xt, stride_slot, stride_sd,
+                          stride_sk, K)
     # In place (src == dst) a short sequence's new column c is old column length+c, which
     # another thread of this program may hold: every load above completes before any store.
     tl.debug_barrier()
-    out = states_ptr + dst.to(tl.int64) * stride_slot + d[:, None] * stride_sd + c[None, :] * stride_sk
-    tl.store(out, (xv + sv).to(states_ptr.dtype.element_ty), mask=d_in[:, None] & col_in[None, :])
+    tl.store(states_ptr + dst.to(tl.int64) * stride_slot + cols, window.to(states_ptr.dtype.element_ty),
+             mask=d_in[:, None] & col_in[None, :])
 
 
 def causal_conv1d_varlen(
@@ -129,6 +150,7 @@ def causal_conv1d_varlen(
     src_slots: torch.Tensor,
     dst_slots: torch.Tensor,
     activation: str | None = "silu",
+    saves: StateSaves | None = None,
 ) -> torch.Tensor:
     """Causal conv over packed prefill chunks continuing from saved state (no host sync).
 
@@ -138,6 +160,7 @@ def causal_conv1d_varlen(
 
     A sequence's dst slot must not be another sequence's src slot (each request owns its
     slots; src == dst of one sequence is fine): final states go straight to the dst slots.
+    `saves` (`StateSaves`): states also written from inside the sequences.
     """
     silu = check_activation(activation)
     num_tokens, dim = x.shape
@@ -157,9 +180,9 @@ def causal_conv1d_varlen(
     )
     if num_seqs:
         _conv_final_state_kernel[(num_seqs, triton.cdiv(dim, bd))](
-            x, conv_states, cu_seqlens, src_slots, dst_slots, dim,
+            x, conv_states, cu_seqlens, src_slots, dst_slots, *(saves if saves is not None else (x, x, x)), dim,
             x.stride(0), conv_states.stride(0), conv_states.stride(1), conv_states.stride(2),
-            K=k, BK=triton.next_power_of_2(k - 1), BD=bd, num_warps=4, **pdl(x),
+            K=k, BK=triton.next_power_of_2(k - 1), BD=bd, HAS_SAVES=saves is not None, num_warps=4, **pdl(x),
         )
     return y
 

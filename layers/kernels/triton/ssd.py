@@ -25,6 +25,7 @@ import triton.language as tl
 # H100 over (8B shapes: 1 x 4096 and 32 x 128 tokens; peer shapes: 32 x 256 and 1 x 4096)
 # against chunks 32/64/128, blocks 16/32/64, 4/8 warps: whole heads per program (B and C
 # are read once per head, not per channel block) with 32-token chunks won.
+from layers.kernels.ops import StateSaves
 from layers.kernels.reference.ssd import CHUNK, clamps_dt
 from layers.kernels.triton.device import pdl, wait_for_previous_kernel
 from layers.kernels.triton.ssm_update import softplus
@@ -36,11 +37,12 @@ NUM_WARPS = 4
 @triton.jit(do_not_specialize=["num_seqs", "num_tokens"])  # per-step sizes: no recompiles
 def _ssd_varlen_kernel(
     x_ptr, dt_ptr, dt_bias_ptr, limit_mask_ptr, a_ptr, b_ptr, c_ptr, d_ptr, cu_ptr, states_ptr, src_ptr, dst_ptr,
-    y_ptr, num_seqs, num_tokens, head_dim, state_size, heads_per_group, dt_min, dt_max,
-    stride_xt, stride_xh, stride_dtt, stride_bt, stride_bg, stride_ct, stride_cg,
+    y_ptr, save_cu_ptr, save_offset_ptr, save_slot_ptr, num_seqs, num_tokens, head_dim, state_size, heads_per_group,
+    dt_min, dt_max, stride_xt, stride_xh, stride_dtt, stride_bt, stride_bg, stride_ct, stride_cg,
     stride_ss, stride_sh, stride_sp, stride_yt, stride_yh,
     CHUNK: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr, HAS_LIMIT_MASK: tl.constexpr, PDL: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr, HAS_LIMIT_MASK: tl.constexpr, HAS_SAVES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
@@ -71,10 +73,20 @@ def _ssd_varlen_kernel(
     causal = l[:, None] >= l[None, :]
     dot_type = x_ptr.dtype.element_ty  # bf16/fp16 run on tensor cores as is; fp32 in IEEE
 
+    # The next save (`StateSaves`): its token, where the current block is cut short.
+    save = 0
+    save_end = 0
+    next_save = end
+    if HAS_SAVES:
+        save = tl.load(save_cu_ptr + last, mask=is_seq, other=0)
+        save_end = tl.load(save_cu_ptr + last + 1, mask=is_seq, other=0)
+        next_save = tl.where(save < save_end,
+                             start + tl.load(save_offset_ptr + save, mask=save < save_end, other=0).to(tl.int64), end)
     chunk_start = start
     while chunk_start < end:  # (a while loop: Triton's interpreter cannot range() over loaded bounds)
         t = chunk_start + l
-        t_in = t < end
+        chunk_end = tl.minimum(chunk_start + CHUNK, next_save)
+        t_in = t < chunk_end
         dt = tl.load(dt_ptr + t * stride_dtt + head, mask=t_in, other=0.0).to(tl.float32)
         if HAS_DT_BIAS:  # raw dt: softplus(dt + dt_bias) here, not in separate elementwise kernels
             dt = softplus(dt + dt_bias)
@@ -108,7 +120,15 @@ def _ssd_varlen_kernel(
         weight = tl.exp(total - cum) * dt
         b_weighted = (b.to(tl.float32) * weight[:, None]).to(dot_type)
         state = state * tl.exp(total) + tl.dot(tl.trans(x), b_weighted, input_precision=PRECISION)
-        chunk_start += CHUNK
+        if HAS_SAVES:
+            if (chunk_end == next_save) & (save < save_end):
+                slot = tl.load(save_slot_ptr + save).to(tl.int64)
+                tl.store(states_ptr + slot * stride_ss + state_offs, state.to(states_ptr.dtype.element_ty),
+                         mask=valid & state_mask)
+                save += 1
+                next_save = tl.where(save < save_end, start + tl.load(save_offset_ptr + save, mask=save < save_end,
+                                                                      other=0).to(tl.int64), end)
+        chunk_start = chunk_end
 
     tl.store(states_ptr + dst * stride_ss + state_offs, state.to(states_ptr.dtype.element_ty),
              mask=valid & (dst >= 0) & state_mask)
@@ -128,14 +148,16 @@ def ssd_chunk_scan_varlen(
     dt_bias: torch.Tensor | None = None,
     dt_limit: tuple[float, float] = (0.0, math.inf),
     dt_limit_mask: torch.Tensor | None = None,
+    saves: StateSaves | None = None,
 ) -> torch.Tensor:
     """Chunked SSD over packed variable-length sequences (prefill chunks).
 
     x: [T, H, P]; dt: [T, H] (any row stride; with `dt_bias` the raw projection, see
     `KernelOps.ssd_chunk_scan_varlen`); A, D: [H]; B, C: [T, G, N]; cu_seqlens: [S+1];
     ssm_states: [slots, H, P, N] float32, read at src_slots[s] and written at
-    dst_slots[s]. Returns y: [T, H, P] in x's dtype (D skip included); rows of padding
-    sequences (src -1) and tokens past cu_seqlens[-1] are zeros.
+    dst_slots[s]; `saves` (`StateSaves`): states also written from inside the sequences,
+    where a block is cut short. Returns y: [T, H, P] in x's dtype (D skip included); rows of
+    padding sequences (src -1) and tokens past cu_seqlens[-1] are zeros.
 
     A sequence's dst slot must not be another sequence's src slot (each request owns its
     slots): a program writes its final state without waiting for the other programs.
@@ -163,13 +185,13 @@ def ssd_chunk_scan_varlen(
     dt_min, dt_max = dt_limit
     _ssd_varlen_kernel[grid](
         x, dt, dt_bias if dt_bias is not None else A, dt_limit_mask if dt_limit_mask is not None else dt,
-        A, B, C, D, cu_seqlens, ssm_states, src_slots, dst_slots, y,
+        A, B, C, D, cu_seqlens, ssm_states, src_slots, dst_slots, y, *(saves if saves is not None else (y, y, y)),
         num_seqs, num_tokens, head_dim, state_size, heads // groups, float(dt_min), float(dt_max),
         x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
         ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), y.stride(0), y.stride(1),
         CHUNK=CHUNK, BP=block_p, BN=max(16, triton.next_power_of_2(state_size)),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS,
         HAS_DT_BIAS=dt_bias is not None, HAS_DT_LIMIT=clamps_dt(dt_limit), HAS_LIMIT_MASK=dt_limit_mask is not None,
-        **pdl(x),
+        HAS_SAVES=saves is not None, **pdl(x),
     )
     return y
