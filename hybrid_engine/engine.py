@@ -88,6 +88,22 @@ def release_cached_memory() -> None:
     torch.cuda.empty_cache()
 
 
+def available_host_memory() -> int | None:
+    """Bytes of host memory the kernel reports available for new allocations (Linux
+    `MemAvailable`; free physical pages elsewhere), None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def load_engine_model(cfg: EngineConfig, kernels: Any, tp: ParallelContext = SINGLE) -> LoadedModel:
     """Load the model `cfg.model` names (None: the embedded one; "preset:NAME"; a checkpoint
     directory) with the kernels `kernels` (`layers.kernels.select_ops`); under tensor
@@ -307,7 +323,8 @@ class LLMEngine:
 
     def _size_pools(self, draft: PoolBytes | None = None) -> tuple[int, int, int]:
         """(max_num_seqs, num_kv_blocks, prefix-cache checkpoint slots): given values win;
-        on CUDA the rest fills memory.
+        on CUDA the rest fills memory; elsewhere pools that do not fit in the host memory
+        available are an error.
 
         A default `max_num_seqs` shrinks until its Mamba state takes at most half of what
         is left after weights and activations; default checkpoints (2 per max_num_seqs)
@@ -324,19 +341,30 @@ class LLMEngine:
             checkpoints = cfg.prefix_cache_max_checkpoints
             if checkpoints is None:
                 checkpoints = 2 * max_num_seqs
-        if self.device.type != "cuda":
-            return max_num_seqs, cfg.num_kv_blocks or -(-tokens_needed // cfg.kv_block_size), checkpoints
-        release_cached_memory()  # memory no live tensor uses counts as free
-        free, total = torch.cuda.mem_get_info(self.device)
-        if self.group is not None:  # pools of the same size on every rank: the tightest one decides
-            free = self.group.min_over_ranks(free)
-        budget = free - (1.0 - cfg.gpu_memory_utilization) * total
         own = self._pool_bytes(self.model.pool_shape(), mc.conv_kernel - 1, cfg.mamba_ssm_cache_dtype,
                                self.state_banks, self.state_positions)
         seq_bytes, slot_bytes, block_bytes = own.per_seq, own.per_slot, own.per_block
         if draft is not None:
             seq_bytes += draft.per_seq + DRAFT_CHECKPOINTS_PER_SEQ * draft.per_slot
             block_bytes += draft.per_block
+        if self.device.type != "cuda":
+            # Sized as asked; pools that cannot fit are a start-up error naming the flags,
+            # not an allocator failure halfway through building the engine.
+            num_blocks = cfg.num_kv_blocks or -(-tokens_needed // cfg.kv_block_size)
+            need = max_num_seqs * seq_bytes + checkpoints * slot_bytes + num_blocks * block_bytes
+            available = available_host_memory()
+            if available is not None and need > available:
+                raise ValueError(
+                    f"not enough host memory for {max_num_seqs} Mamba state slots ({seq_bytes / 2**20:.2f} MiB each), "
+                    f"{checkpoints} prefix-cache checkpoints ({slot_bytes / 2**20:.2f} MiB each) and {num_blocks} KV "
+                    f"blocks ({block_bytes / 2**10:.0f} KiB each): {need / 2**30:.1f} GiB, {available / 2**30:.1f} GiB "
+                    f"available: lower max_num_seqs, max_model_len, num_kv_blocks or prefix_cache_max_checkpoints")
+            return max_num_seqs, num_blocks, checkpoints
+        release_cached_memory()  # memory no live tensor uses counts as free
+        free, total = torch.cuda.mem_get_info(self.device)
+        if self.group is not None:  # pools of the same size on every rank: the tightest one decides
+            free = self.group.min_over_ranks(free)
+        budget = free - (1.0 - cfg.gpu_memory_utilization) * total
         # Activations of the largest step plus sampling scratch: a generous estimate.
         width = max(mc.hidden_size * 4, mc.mamba_d_ssm * 2 + mc.mamba_conv_dim, mc.intermediate_size,
                     mc.moe_intermediate_size * max(mc.top_k, 1))

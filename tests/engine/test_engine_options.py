@@ -134,3 +134,14 @@ def test_gpu_memory_utilization_sizes_the_kv_cache():
     # memory the first engine takes for good while it is built (kernel modules, library
     # handles: ~90 MiB measured), which the second engine then finds already in use.
     assert blocks[0.5] - blocks[0.3] == pytest.approx(expected, rel=0.01), (blocks, expected)
+
+
+def test_pools_too_large_for_host_memory_are_an_error_naming_the_flags(monkeypatch):
+    """On the CPU the pools are sized as asked: pools that cannot fit in the host memory
+    available fail the build with a ValueError naming the flags (the server prints it as
+    "cannot start"), not with an allocator error halfway through."""
+    monkeypatch.setattr(engine_module, "available_host_memory", lambda: 1 << 20)  # 64 requests need ~130 MiB
+    with pytest.raises(ValueError, match=r"not enough host memory for 64 Mamba state slots .* lower max_num_seqs"):
+        LLM(max_num_seqs=64)
+    monkeypatch.setattr(engine_module, "available_host_memory", lambda: 1 << 40)
+    assert LLM(max_num_seqs=64).engine.mamba.max_num_seqs == 64

@@ -67,6 +67,12 @@ def test_bad_tokenizer_file(checkpoint, tmp_path):
     assert line.startswith(f"cannot start: failed to load the tokenizer in {path!r} (tokenizer.json): ")
 
 
+def test_pools_larger_than_host_memory():
+    """10^8 requests' Mamba states and KV cache (hundreds of TiB) cannot be allocated."""
+    line = _start_fails("--port", str(free_port()), "--max-num-seqs", "100000000")
+    assert line.startswith("cannot start: not enough host memory for 100000000 Mamba state slots"), line
+
+
 @pytest.mark.parametrize("value", ["-1", "nan", "inf"])
 def test_shutdown_timeout_must_be_finite_and_non_negative(value, capsys):
     with pytest.raises(SystemExit) as exit_info:
