@@ -25,9 +25,14 @@ import torch
 
 def _exit_when_stdin_closes() -> None:
     """Exit as soon as the driver process is gone, however it went: the driver holds the
-    other end of this worker's stdin pipe, and the pipe reads EOF once it is closed."""
+    other end of this worker's stdin pipe, and the pipe reads EOF once it is closed. (The
+    file descriptor is read directly: a thread blocked in `sys.stdin.buffer.read` holds the
+    buffer's lock, and a worker that exits normally then dies at interpreter shutdown with
+    "Fatal Python error: could not acquire lock for <stdin>".)"""
+    fd = sys.stdin.fileno()
+
     def watch() -> None:
-        while sys.stdin.buffer.read(1 << 16):
+        while os.read(fd, 1 << 16):
             pass
         os._exit(1)
 

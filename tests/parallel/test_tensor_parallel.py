@@ -209,7 +209,8 @@ print("TOKENS", out[0].output_token_ids)
 
 def test_unguarded_top_level_script(nemotron, tmp_path):
     """A script with no `if __name__ == "__main__"` guard: the workers are fresh
-    interpreters running the worker module, not re-imports of the script."""
+    interpreters running the worker module, not re-imports of the script. They exit
+    quietly with it (a worker once died at interpreter shutdown on its stdin watch)."""
     script = tmp_path / "script.py"
     script.write_text(_UNGUARDED_SCRIPT.format(path=nemotron.path, prompt=nemotron.prompts[0]))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
@@ -217,6 +218,7 @@ def test_unguarded_top_level_script(nemotron, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     line = next(l for l in done.stdout.splitlines() if l.startswith("TOKENS"))
     assert line == f"TOKENS {nemotron.tokens[0][:6]}"
+    assert "Fatal Python error" not in done.stderr, done.stderr[-2000:]
 
 
 def test_env_rendezvous_across_two_nodes(nemotron, monkeypatch):
