@@ -198,7 +198,8 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, dict]:
     llm = LLM(model=None if args.model == "embedded" else args.model, enable_prefix_caching=MODES[mode],
               prefix_cache_max_checkpoints=args.prefix_cache_max_checkpoints,
               prefix_cache_checkpoint_interval=args.prefix_cache_checkpoint_interval,
-              max_num_seqs=args.max_num_seqs, max_model_len=max_model_len(args))
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=max_model_len(args))
     engine = llm.engine
     vocab = engine.model_config.vocab_size
     # Warm-up: Triton compiles / autotunes per shape.
@@ -281,6 +282,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--random-len", type=int, nargs=2, default=[2048, 3072], metavar=("MIN", "MAX"),
                     help="no-reuse prompt tokens, uniform in [MIN, MAX]")
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="tokens per step, both modes (default: the engine's)")
     ap.add_argument("--prefix-cache-max-checkpoints", type=int, default=None, help="default: the engine's")
     ap.add_argument("--prefix-cache-checkpoint-interval", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=1,
@@ -312,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\nmodel {args.model}, {args.conversations} conversations x {args.turns} turns, system prompt "
           f"{args.system_len}, user {args.user_len[0]}-{args.user_len[1]}, answers {args.answer_len}; no-reuse "
           f"{args.random_requests} x {args.random_len[0]}-{args.random_len[1]} tokens; max_num_seqs "
-          f"{args.max_num_seqs}")
+          f"{args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens or 'default'}")
     print_table(results, summary)
     report = dict(args=vars(args), results=results, ratios=summary)
     if args.json:
