@@ -43,7 +43,9 @@ def _sequence_of(cu_ptr, t, num_seqs, search_steps):
     return lo
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_seqs", "search_steps"])  # per-step sizes: no recompiles
+# Per-step sizes, and the prefill rows' slots (a slice at the step's decode count, so its
+# alignment changes from step to step; see ssd.py): no recompiles while serving.
+@triton.jit(do_not_specialize=["num_tokens", "num_seqs", "search_steps", "src_ptr"])
 def _conv_varlen_kernel(
     x_ptr, w_ptr, bias_ptr, states_ptr, y_ptr, cu_ptr, src_ptr,
     num_tokens, dim, num_seqs, search_steps,
@@ -100,7 +102,7 @@ def _conv_window(x_ptr, states_ptr, start, length, src, d, d_in, c, col_in, stri
     return xv + sv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["src_ptr", "dst_ptr"])  # slices at the step's decode count (above)
 def _conv_final_state_kernel(
     x_ptr, states_ptr, cu_ptr, src_ptr, dst_ptr, save_cu_ptr, save_offset_ptr, save_slot_ptr, dim,
     stride_xt, stride_slot, stride_sd, stride_sk,
