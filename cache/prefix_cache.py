@@ -81,10 +81,12 @@ class CachedBlock:
 @dataclass(frozen=True, slots=True)
 class PendingSave:
     """A checkpoint slot reserved for the state after `position` tokens, which a launched
-    prefill chunk writes from inside itself; attached by `commit` once the chunk retires."""
+    prefill chunk writes from inside itself; attached by `commit` once the chunk retires.
+    `key`: the hash of the tokens before `position` (`_Progress.prefix_key`)."""
 
     position: int
     slot: int
+    key: int
 
 
 @dataclass(slots=True)
@@ -102,17 +104,30 @@ class PrefixHit:
 @dataclass(eq=False, slots=True)
 class _Progress:
     """How far a request's KV is registered: its prefix's node (canonical: an identical
-    block registered first wins), and the checkpoints it saved."""
+    block registered first wins), the checkpoints it saved, and the slots its launched
+    chunks write checkpoints into (`reserved`, in launch order)."""
 
     node: CachedBlock
     saved: list[Checkpoint] = field(default_factory=list)
     resumed: Checkpoint | None = None  # the checkpoint it resumed from
-    reserved: list[PendingSave] = field(default_factory=list)  # in launch order
+    reserved: list[PendingSave] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # `prefix_key` of each block end so far
 
     @property
     def begin(self) -> int:
         """Where its prefill began: the hit's position, else 0."""
         return 0 if self.resumed is None else self.resumed.position
+
+    def prefix_key(self, request, position: int, block_size: int) -> int:
+        """A hash of the request's tokens before `position` (block aligned), chained block
+        by block and computed once per block. Two requests whose keys are equal have the
+        same prefix but for a hash collision, which costs at most a checkpoint not taken
+        (keys only ever skip a reservation; what is attached is matched token by token)."""
+        hashes = self.block_hashes
+        for i in range(len(hashes), position // block_size):
+            hashes.append(hash((hashes[-1] if hashes else 0, _token_slice(request, i * block_size,
+                                                                           (i + 1) * block_size))))
+        return hashes[position // block_size - 1]
 
 
 class PrefixCache:
@@ -135,6 +150,10 @@ class PrefixCache:
         self._by_block: dict[int, CachedBlock | Checkpoint] = {}  # what each cached block holds
         self._checkpoints: OrderedDict[Checkpoint, None] = OrderedDict()  # least recently used first
         self._progress: dict[object, _Progress] = {}  # by request
+        # Reserved saves by prefix key: a chunk in flight will checkpoint that prefix, so
+        # another request with the same prefix (a burst of one system prompt, admitted before
+        # any of it commits) reserves no slot for it, and evicts no checkpoint to get one.
+        self._pending: dict[int, PendingSave] = {}
         kv.set_evict_callback(self._on_block_evicted)
 
     @property
@@ -218,7 +237,8 @@ class PrefixCache:
     def reserve_saves(self, request, start: int, num_tokens: int) -> tuple[PendingSave, ...]:
         """Checkpoint slots for the interval positions strictly inside a prefill chunk being
         launched, tokens [start, start + num_tokens) (before its prompt-end checkpoint):
-        the chunk's kernels write its state there. A position for which no slot can be
+        the chunk's kernels write its state there. A position already checkpointed, or
+        reserved by another chunk in flight, takes no slot; one for which no slot can be
         freed gets no checkpoint."""
         progress = self._progress[request]
         if not progress.node.alive:
@@ -227,13 +247,24 @@ class PrefixCache:
         position = self._next_interval(progress.begin, start)
         saves = []
         while position < end:
-            slot = self._free_slot()
-            if slot is None:
-                break
-            saves.append(PendingSave(position, slot))
+            key = progress.prefix_key(request, position, self.block_size)
+            if key not in self._pending and not self._has_checkpoint(request, progress, position):
+                slot = self._free_slot()
+                if slot is None:
+                    break
+                save = self._pending[key] = PendingSave(position, slot, key)
+                saves.append(save)
             position += self.interval
         progress.reserved += saves
         return tuple(saves)
+
+    def _has_checkpoint(self, request, progress: _Progress, position: int) -> bool:
+        """Whether the trie holds a checkpoint at block-aligned `position` of the request's
+        tokens (walking down from its registered prefix through blocks others registered)."""
+        node, bs = progress.node, self.block_size
+        while node is not None and node.depth < position // bs:
+            node = node.children.get(_token_slice(request, node.depth * bs, (node.depth + 1) * bs))
+        return node is not None and () in node.checkpoints
 
     def release_saves(self, request, saves: tuple[PendingSave, ...]) -> None:
         """A launched chunk was rejected: give its reserved slots back (its relaunch
@@ -242,7 +273,16 @@ class PrefixCache:
         reserved = self._progress[request].reserved
         for save in saves:
             reserved.remove(save)
-            self.mamba.free_checkpoint_slot(save.slot)
+            self._unreserve(save)
+
+    def _unreserve(self, save: PendingSave) -> None:
+        """A reserved slot goes back to the pool, and its prefix may be reserved again."""
+        self._forget_pending(save)
+        self.mamba.free_checkpoint_slot(save.slot)
+
+    def _forget_pending(self, save: PendingSave) -> None:
+        if self._pending.get(save.key) is save:
+            del self._pending[save.key]
 
     def _next_interval(self, begin: int, position: int) -> int:
         """The first interval position after `position` for a prefill that began at
@@ -256,9 +296,10 @@ class PrefixCache:
     # ---- registering -----------------------------------------------------------------
     def commit(self, request, num_computed: int) -> int:
         """The request's KV and state (`request.state`) are committed through `num_computed`
-        tokens: register its newly full blocks, and checkpoint the state if this is the
-        prompt's end or an interval position inside the prompt. Returns the committed length
-        at which to call again."""
+        tokens: attach the checkpoints its retired chunks wrote from inside themselves
+        (`reserve_saves`), register its newly full blocks, and checkpoint the state if this
+        is the prompt's end or an interval position inside the prompt. Returns the committed
+        length at which to call again."""
         progress = self._progress[request]
         reserved = progress.reserved
         while reserved and reserved[0].position <= num_computed:
@@ -291,7 +332,7 @@ class PrefixCache:
         if progress is None:
             return
         for save in progress.reserved:  # (its chunks in flight are dropped)
-            self.mamba.free_checkpoint_slot(save.slot)
+            self._unreserve(save)
         if not save_state or num_computed == 0:
             return
         self._register_blocks(request, progress, num_computed)
@@ -343,9 +384,8 @@ class PrefixCache:
         if not node.alive or node.depth != position // self.block_size:
             return None
         tail = _token_slice(request, node.depth * self.block_size, position)
-        existing = node.checkpoints.get(tail)
+        existing = self._existing(node, tail)
         if existing is not None:
-            self._checkpoints.move_to_end(existing)
             return existing
         slot = self._free_slot()
         if slot is None:
@@ -362,10 +402,7 @@ class PrefixCache:
                 return None
             self.kv.copy_block(request.blocks[node.depth], tail_block)
         slot = self.mamba.hand_over(request.state, slot, goes_on)
-        checkpoint = Checkpoint(position, node, tail, tail_block, slot)
-        node.checkpoints[tail] = checkpoint
-        self._checkpoints[checkpoint] = None
-        progress.saved.append(checkpoint)
+        checkpoint = self._add_checkpoint(progress, Checkpoint(position, node, tail, tail_block, slot))
         if tail_block >= 0:
             self._by_block[tail_block] = checkpoint
             self.kv.set_cached(tail_block, True)
@@ -378,16 +415,25 @@ class PrefixCache:
         the prefix was evicted (then the slot goes back)."""
         self._register_blocks(request, progress, save.position)
         node = progress.node
-        existing = node.checkpoints.get(())
-        if not node.alive or node.depth * self.block_size != save.position or existing is not None:
-            if existing is not None:
-                self._checkpoints.move_to_end(existing)
-            self.mamba.free_checkpoint_slot(save.slot)
+        if not node.alive or node.depth * self.block_size != save.position or self._existing(node, ()) is not None:
+            self._unreserve(save)
             return
-        checkpoint = Checkpoint(save.position, node, (), -1, save.slot)
-        node.checkpoints[()] = checkpoint
+        self._forget_pending(save)
+        self._add_checkpoint(progress, Checkpoint(save.position, node, (), -1, save.slot))
+
+    def _existing(self, node: CachedBlock, tail: tuple[int, ...]) -> Checkpoint | None:
+        """The checkpoint with `tail` under `node`, if there is one (now recently used)."""
+        existing = node.checkpoints.get(tail)
+        if existing is not None:
+            self._checkpoints.move_to_end(existing)
+        return existing
+
+    def _add_checkpoint(self, progress: _Progress, checkpoint: Checkpoint) -> Checkpoint:
+        """Make `checkpoint` findable under its node, newest in the LRU, one of `progress`'s."""
+        checkpoint.node.checkpoints[checkpoint.tail] = checkpoint
         self._checkpoints[checkpoint] = None
         progress.saved.append(checkpoint)
+        return checkpoint
 
     def _free_slot(self) -> int | None:
         """A free checkpoint slot, if need be by evicting the least recently used checkpoint

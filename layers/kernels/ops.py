@@ -35,6 +35,12 @@ class StateSaves(NamedTuple):
     offsets: torch.Tensor  # [N] int32: tokens of the sequence before the saved state
     slots: torch.Tensor  # [N] int64: where the state goes
 
+    def by_sequence(self) -> list[list[tuple[int, int]]]:
+        """On the host, each prefill sequence's saves as (offset, slot) pairs (the
+        reference ops walk them so)."""
+        cu, offsets, slots = (t.tolist() for t in self)
+        return [list(zip(offsets[a:b], slots[a:b])) for a, b in zip(cu, cu[1:])]
+
 
 @runtime_checkable
 class KernelOps(Protocol):

@@ -263,7 +263,8 @@ def test_interval_checkpoints_lie_an_interval_past_where_the_prefill_began():
 def test_reserved_checkpoint_slots_always_go_back():
     """A slot reserved for a save inside a launched chunk becomes a checkpoint when the
     chunk commits, and returns to the pool otherwise: the launch is rejected, the request
-    ends with the chunk in flight, or a checkpoint is already there."""
+    ends with the chunk in flight, or a checkpoint got there first. A position already
+    checkpointed, or reserved by a chunk in flight, takes no slot."""
     kv, mamba, cache = make(num_blocks=64, checkpoints=6, interval=8)
     prompt = list(range(300, 340))  # 40 tokens: interval positions 8 .. 32 inside it
 
@@ -287,16 +288,21 @@ def test_reserved_checkpoint_slots_always_go_back():
 
     first, commit_at = admitted(prompt)
     dsts, saves = launch_chunk(mamba, cache, first, 0, 30)
+    assert [save.position for save in saves] == [8, 16, 24] and len(free) == 3
+    # The same prefix, admitted while those saves are in flight: it reserves nothing for 8,
+    # and its prompt-end checkpoint at 16 commits before `first` retires.
+    short, _ = admitted(prompt[:16])
+    short_dsts, short_saves = launch_chunk(mamba, cache, short, 0, 16)
+    assert short_saves == () and len(free) == 3
+    mamba.commit(short.state, short_dsts)
+    cache.commit(short, 16)
+    assert cache.num_checkpoints == 1 and len(free) == 2
     mamba.commit(first.state, dsts)
     assert commit_at <= 30
-    cache.commit(first, 30)
+    cache.commit(first, 30)  # 16 is a checkpoint already: that reserved slot goes back
     assert cache.num_checkpoints == 3 and len(free) == 3
-    second, commit_at = admitted(prompt)  # the same prompt again, not resumed
-    dsts, saves = launch_chunk(mamba, cache, second, 0, 20)
-    assert len(saves) == 2 and len(free) == 1
-    mamba.commit(second.state, dsts)
-    cache.commit(second, 20)  # 8 and 16 are checkpoints already: the reserved slots go back
-    assert cache.num_checkpoints == 3 and len(free) == 3
+    second, _ = admitted(prompt)  # the same prompt again, not resumed: all checkpointed
+    assert launch_chunk(mamba, cache, second, 0, 30)[1] == () and len(free) == 3
     hit = cache.acquire(prompt[:27] + [1])
     assert hit.position == 24 and mamba.conv_states[0, hit.checkpoint.slot].eq(24).all()
     cache.cancel(hit)

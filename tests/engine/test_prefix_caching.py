@@ -3,7 +3,8 @@ resends the previous prompt + answer + a new message), a shared system prompt ac
 concurrent requests, KV and checkpoint pressure (pauses, evictions), async launch-ahead
 with injected rejections, speculative decoding, penalties. Every path's tokens equal HF's
 greedy ones and the uncached engine's, its logprobs are within 1e-4 of HF's and 1e-5 of
-the uncached engine's, and the cache really served the reusable tokens.
+the uncached engine's (plus the uncached run's own rounding, below), and the cache really
+served the reusable tokens.
 
 Where the two engines' logprobs differ, float64 HF says whose rounding it is: the bound
 between them is 1e-5 plus the uncached run's own distance from float64 HF (a random tiny
@@ -104,7 +105,8 @@ def engine_for(path: str, **kw):
 
 def assert_same_turns(got: Conversations, want: Conversations, atol: float, hf=None) -> None:
     """Same prompts and tokens turn by turn, logprobs (the sampled token and top-K) within
-    atol; with `hf`, within atol plus `want`'s own distance from float64 HF (its rounding)."""
+    atol; with `hf`, within atol plus `want`'s own distance from float64 HF (its rounding),
+    which must stay within HF_ATOL."""
     truth = None if hf is None else float64_oracle(hf)
     for i, (a_turns, b_turns) in enumerate(zip(got.turns, want.turns)):
         assert len(a_turns) == len(b_turns)
@@ -114,7 +116,9 @@ def assert_same_turns(got: Conversations, want: Conversations, atol: float, hf=N
             for pos, (ea, eb) in enumerate(zip(a.logprobs, b.logprobs)):
                 assert ea.keys() == eb.keys(), f"conversation {i} turn {t} position {pos}: {ea} vs {eb}"
                 for token in ea:
-                    bound = atol if exact is None else atol + abs(eb[token] - exact[pos, token].item())
+                    rounding = 0.0 if exact is None else abs(eb[token] - exact[pos, token].item())
+                    assert rounding <= HF_ATOL, f"c{i} t{t} pos {pos}: {eb} is {rounding} from float64 HF"
+                    bound = atol + rounding
                     assert abs(ea[token] - eb[token]) <= bound, f"c{i} t{t} pos {pos}: {ea} vs {eb} (bound {bound})"
 
 
@@ -147,8 +151,8 @@ def assert_matches_hf(hf, convs: Conversations) -> None:
             assert turn.tokens == tokens, f"conversation {i} turn {t}: {turn.tokens} != HF {tokens}"
             for pos, entry in enumerate(turn.logprobs):
                 keys = torch.tensor(list(entry))
-                torch.testing.assert_close(torch.tensor(list(entry.values()), dtype=torch.float64), logprobs[pos, keys], atol=HF_ATOL,
-                                           rtol=0)
+                values = torch.tensor(list(entry.values()), dtype=torch.float64)
+                torch.testing.assert_close(values, logprobs[pos, keys], atol=HF_ATOL, rtol=0)
 
 
 def reusable_hit_rate(convs: Conversations) -> float:
@@ -313,6 +317,35 @@ def test_identical_prompt_resumes_before_its_last_token_and_reports_it(checkpoin
     assert first.num_cached_tokens == 0 and second.num_cached_tokens == 24  # the deepest interval checkpoint < 30
     assert first.output_token_ids == second.output_token_ids
     assert hf_logprobs(hf, prompt, first.output_token_ids).argmax(dim=-1).tolist() == first.output_token_ids
+
+
+def test_a_burst_of_one_prompt_does_not_evict_other_checkpoints(checkpoint):
+    """Identical prompts admitted together (none can resume: nothing of theirs has
+    committed) write each interval checkpoint once, so with few checkpoint slots they do not
+    evict another conversation's finish checkpoint: its next turn still resumes there,
+    with HF's tokens."""
+    path, hf = checkpoint
+    gen = torch.Generator().manual_seed(0)
+    engine = engine_for(path, kv_block_size=4, max_num_batched_tokens=256, prefix_cache_checkpoint_interval=8,
+                        prefix_cache_max_checkpoints=6)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+
+    def run(prompts: dict[str, list[int]]) -> dict:
+        for rid, prompt in prompts.items():
+            engine.add_request(rid, prompt, params)
+        outs = {}
+        while engine.has_unfinished_requests():
+            outs.update((o.request_id, o) for o in engine.step() if o.finished)
+        return outs
+
+    first = torch.randint(3, hf.config.vocab_size, (13,), generator=gen).tolist()
+    answer = run({"z0": first})["z0"].output_token_ids
+    shared = torch.randint(3, hf.config.vocab_size, (25,), generator=gen).tolist()
+    run({f"b{i}": shared for i in range(4)})
+    second = first + answer + [5, 6, 7]
+    resumed = run({"z1": second})["z1"]
+    assert resumed.num_cached_tokens == len(first) + len(answer) - 1  # its finish checkpoint
+    assert hf_logprobs(hf, second, resumed.output_token_ids).argmax(dim=-1).tolist() == resumed.output_token_ids
 
 
 @pytest.mark.parametrize("bad, match", [

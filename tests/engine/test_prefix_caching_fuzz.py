@@ -151,8 +151,12 @@ def check_pools(engine, requests) -> None:
     read = {r.state.reads_checkpoint for r in requests if r.state is not None and r.state.reads_checkpoint >= 0}
     assert released <= read <= set(slots) | released
     # Slots reserved for states that launched chunks write from inside themselves.
-    reserved = [save.slot for progress in cache._progress.values() for save in progress.reserved]
+    pending = [save for progress in cache._progress.values() for save in progress.reserved]
+    reserved = [save.slot for save in pending]
     assert len(set(reserved)) == len(reserved) and not set(reserved) & (set(slots) | released)
+    # The prefixes reserved in flight are exactly those reservations (none leaks, or its
+    # prefix would never be checkpointed again).
+    assert sorted(map(id, cache._pending.values())) == sorted(map(id, pending))
     assert len(slots) + len(mamba._free_checkpoint_slots) + len(released) + len(reserved) == mamba.checkpoint_slots
 
 

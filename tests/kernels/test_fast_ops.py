@@ -515,9 +515,9 @@ def compiled_variants(kernel) -> int:
 
 
 def at_offset(t: torch.Tensor, offset: int) -> torch.Tensor:
-    """A copy of 1-D `t` that starts `offset` elements into a larger buffer (as the step
-    buffer's prefill-row slices start at the step's decode count)."""
-    buffer = torch.zeros(offset + t.numel(), dtype=t.dtype, device=t.device)
+    """A copy of `t` that starts `offset` rows into a larger buffer (as the prefill rows'
+    slices start at the step's decode count)."""
+    buffer = torch.zeros(offset + t.shape[0], *t.shape[1:], dtype=t.dtype, device=t.device)
     buffer[offset:] = t
     return buffer[offset:]
 
@@ -525,9 +525,10 @@ def at_offset(t: torch.Tensor, offset: int) -> torch.Tensor:
 @pytest.mark.skipif(INTERPRET, reason="counts compiled kernels")
 def test_prefill_ops_do_not_recompile_for_slices_at_the_decode_count() -> None:
     """A prefill step's slot lists and prompt mask are slices of the step buffer starting
-    at the step's decode count, so their 16-byte alignment changes from step to step. The
-    conv and the SSD must not compile a specialization per alignment (each compile stalled
-    serving for about a second) and must give the same results at every offset."""
+    at the step's decode count, and its dt a slice of the in_proj output at the same row,
+    so their 16-byte alignment can change from step to step. The conv and the SSD must not
+    compile a specialization per alignment (each compile stalled serving for about a
+    second) and must give the same results at every offset."""
     from layers.kernels.triton import ssd
 
     lens, dim, (heads, head_dim, groups, state) = [37, 3, 130], 200, SSD_SHAPES[2]
@@ -539,12 +540,12 @@ def test_prefill_ops_do_not_recompile_for_slices_at_the_decode_count() -> None:
     mask = torch.rand(tokens, device=DEVICE) < 0.5
     kernels = (conv1d._conv_varlen_kernel, conv1d._conv_final_state_kernel, ssd._ssd_varlen_kernel)
     results, counts = [], []
-    for offset in (0, 1, 2, 3, 16, 17):  # int64 slots: 8-byte steps; bool mask: 1-byte steps
+    for offset in (0, 1, 2, 3, 16, 17):  # slots 8 bytes a row, dt 12 (6 heads), the mask 1
         conv_states, ssm_states = conv_init.clone(), ssm_init.clone()
         src_at, dst_at = at_offset(src, offset), at_offset(dst, offset)
         y_conv = conv1d.causal_conv1d_varlen(x_conv, weight, None, conv_states, cu, src_at, dst_at)
-        y = ssd.ssd_chunk_scan_varlen(x, dt, a, b, c, d_skip, cu, ssm_states, src_at, dst_at, dt_bias=dt_bias,
-                                      dt_limit=(0.0, 0.5), dt_limit_mask=at_offset(mask, offset))
+        y = ssd.ssd_chunk_scan_varlen(x, at_offset(dt, offset), a, b, c, d_skip, cu, ssm_states, src_at, dst_at,
+                                      dt_bias=dt_bias, dt_limit=(0.0, 0.5), dt_limit_mask=at_offset(mask, offset))
         results.append((y_conv, conv_states, y, ssm_states))
         counts.append([compiled_variants(k) for k in kernels])
     assert all(n == counts[0] for n in counts), counts

@@ -42,7 +42,7 @@ def causal_conv1d_varlen(
     out = torch.zeros_like(x)  # padding sequences and tokens past cu_seqlens[-1] stay zero
     bounds = cu_seqlens.tolist()
     src, dst = src_slots.tolist(), dst_slots.tolist()
-    save_cu, offsets, save_slots = (t.tolist() for t in saves) if saves is not None else ([0] * len(bounds), [], [])
+    seq_saves = saves.by_sequence() if saves is not None else [[]] * (len(bounds) - 1)
     new_states = []
     for s in range(len(bounds) - 1):
         lo, hi = bounds[s], bounds[s + 1]
@@ -52,8 +52,8 @@ def causal_conv1d_varlen(
         seq = torch.cat([history, x[lo:hi].t()], dim=1)  # [D, K-1+L]: the state after t tokens is seq[:, t:t+K-1]
         y = F.conv1d(seq.unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), bias, groups=weight.shape[0])[0]
         out[lo:hi] = _activate(y, activation).t().to(x.dtype)
-        for j in range(save_cu[s], save_cu[s + 1]):
-            new_states.append((save_slots[j], seq[:, offsets[j]:offsets[j] + k - 1]))
+        for offset, slot in seq_saves[s]:
+            new_states.append((slot, seq[:, offset:offset + k - 1]))
         new_states.append((dst[s], seq[:, -(k - 1):]))
     # States are written after all reads so src == dst of another row can never be clobbered.
     for slot, state in new_states:

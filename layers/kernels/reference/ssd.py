@@ -116,7 +116,7 @@ def ssd_chunk_scan_varlen(
     out = torch.zeros_like(x)  # padding sequences and tokens past cu_seqlens[-1] stay zero
     bounds = cu_seqlens.tolist()
     src, dst = src_slots.tolist(), dst_slots.tolist()
-    save_cu, offsets, save_slots = (t.tolist() for t in saves) if saves is not None else ([0] * len(bounds), [], [])
+    seq_saves = saves.by_sequence() if saves is not None else [[]] * (len(bounds) - 1)
     finals = []
     for s in range(len(bounds) - 1):
         lo, hi = bounds[s], bounds[s + 1]
@@ -126,13 +126,14 @@ def ssd_chunk_scan_varlen(
         bs = B[lo:hi].float().repeat_interleave(rep, dim=1)
         cs = C[lo:hi].float().repeat_interleave(rep, dim=1)
         state = ssm_states[src[s]].float()
-        ends = [offsets[j] for j in range(save_cu[s], save_cu[s + 1])] + [hi - lo]
+        ends = [offset for offset, _ in seq_saves[s]] + [hi - lo]
+        slots = [slot for _, slot in seq_saves[s]] + [dst[s]]
         begin = 0
         for j, end in enumerate(ends):  # segment by segment: the blocks restart at each save
             y, state = _ssd_one_sequence(xs[begin:end], dt[lo + begin:lo + end], A.float(), bs[begin:end],
                                          cs[begin:end], state)
             out[lo + begin:lo + end] = (y + D.float()[:, None] * xs[begin:end]).to(x.dtype)
-            finals.append((save_slots[save_cu[s] + j] if j < len(ends) - 1 else dst[s], state))
+            finals.append((slots[j], state))
             begin = end
     for slot, state in finals:  # after all reads: a dst may be another row's src
         ssm_states[slot] = state.to(ssm_states.dtype)

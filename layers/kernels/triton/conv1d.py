@@ -44,7 +44,10 @@ def _sequence_of(cu_ptr, t, num_seqs, search_steps):
 
 
 # Per-step sizes, and the prefill rows' slots (a slice at the step's decode count, so its
-# alignment changes from step to step; see ssd.py): no recompiles while serving.
+# alignment changes from step to step; see ssd.py): no recompiles while serving. x (the
+# prefill rows of the in_proj output) keeps its alignment specialization for its tile
+# loads: its row stride is a multiple of 16 bytes for every preset at one GPU (a rank's
+# odd width under tensor parallelism adds one variant, compiled once).
 @triton.jit(do_not_specialize=["num_tokens", "num_seqs", "search_steps", "src_ptr"])
 def _conv_varlen_kernel(
     x_ptr, w_ptr, bias_ptr, states_ptr, y_ptr, cu_ptr, src_ptr,

@@ -35,9 +35,10 @@ NUM_WARPS = 4
 
 
 # Per-step sizes, and pointers into slices that start at the step's decode count (the prefill
-# rows' slots and prompt mask), whose 16-byte alignment changes from step to step: no
-# recompiles while serving (each new combination cost a ~1 s compile mid-run).
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "src_ptr", "dst_ptr", "limit_mask_ptr"])
+# rows' slots, prompt mask and dt), whose 16-byte alignment can change from step to step: no
+# recompiles while serving (each new combination cost a ~1 s compile mid-run). x, B and C
+# come from the conv's fresh output, so their alignment is fixed.
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "src_ptr", "dst_ptr", "limit_mask_ptr", "dt_ptr"])
 def _ssd_varlen_kernel(
     x_ptr, dt_ptr, dt_bias_ptr, limit_mask_ptr, a_ptr, b_ptr, c_ptr, d_ptr, cu_ptr, states_ptr, src_ptr, dst_ptr,
     y_ptr, save_cu_ptr, save_offset_ptr, save_slot_ptr, num_seqs, num_tokens, head_dim, state_size, heads_per_group,
