@@ -34,6 +34,7 @@ from hybrid_engine.config import DTYPES, EngineConfig, resolve_mamba_ssm_cache_d
 from hybrid_engine.cuda_graphs import DECODE_OPS, DecodeGraphs
 from hybrid_engine.detokenizer import IncrementalDetokenizer
 from hybrid_engine.gc_control import StepGarbageCollector
+from hybrid_engine.host_memory import available_host_memory
 from hybrid_engine.models.embedded import EMBEDDED_CONFIG, EMBEDDED_MODEL_NAME, EMBEDDED_WEIGHT_SEED
 from hybrid_engine.models.base import PoolShape
 from hybrid_engine.models.config import parse_hf_config
@@ -86,22 +87,6 @@ def release_cached_memory() -> None:
     blocks released."""
     gc.collect()
     torch.cuda.empty_cache()
-
-
-def available_host_memory() -> int | None:
-    """Bytes of host memory the kernel reports available for new allocations (Linux
-    `MemAvailable`; free physical pages elsewhere), None if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def load_engine_model(cfg: EngineConfig, kernels: Any, tp: ParallelContext = SINGLE) -> LoadedModel:
