@@ -57,7 +57,10 @@ def _cgroup_paths(proc_cgroup: str) -> dict[str, str]:
         return {"": "/", "memory": "/"}
     paths = {}
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
         if controllers == "":
             paths[""] = path
         elif "memory" in controllers.split(","):

@@ -35,7 +35,7 @@ def test_v1_memory_controller_and_no_limit(tmp_path):
     write(root / "memory" / "docker" / "abc", memory_limit_in_bytes=f"{2048 * MIB}\n",
           memory_usage_in_bytes=f"{2100 * MIB}\n", memory_stat=f"total_inactive_file {100 * MIB}\n")
     proc = tmp_path / "cgroup"
-    proc.write_text("12:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n0::/\n")
+    proc.write_text("12:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\nnot a cgroup line\n0::/\n")
     assert cgroup_headroom(str(root), str(proc)) == 48 * MIB
     proc.write_text("0::/\n")  # a v2 process whose cgroups set no limit
     assert cgroup_headroom(str(root), str(proc)) is None
