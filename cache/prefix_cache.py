@@ -152,7 +152,7 @@ class PrefixCache:
         self._progress: dict[object, _Progress] = {}  # by request
         # Reserved saves by prefix key: a chunk in flight will checkpoint that prefix, so
         # another request with the same prefix (a burst of one system prompt, admitted before
-        # any of it commits) reserves no slot for it, and evicts no checkpoint to get one.
+        # any of it commits) evicts no checkpoint to reserve it again (a free slot it takes).
         self._pending: dict[int, PendingSave] = {}
         kv.set_evict_callback(self._on_block_evicted)
 
@@ -237,9 +237,10 @@ class PrefixCache:
     def reserve_saves(self, request, start: int, num_tokens: int) -> tuple[PendingSave, ...]:
         """Checkpoint slots for the interval positions strictly inside a prefill chunk being
         launched, tokens [start, start + num_tokens) (before its prompt-end checkpoint):
-        the chunk's kernels write its state there. A position already checkpointed, or
-        reserved by another chunk in flight, takes no slot; one for which no slot can be
-        freed gets no checkpoint."""
+        the chunk's kernels write its state there. A position already checkpointed takes no
+        slot; one another chunk in flight has reserved (the same prefix) takes a free slot
+        only, never evicting for it (a spare, should that chunk's request end before it
+        retires); one for which no slot can be had gets no checkpoint."""
         progress = self._progress[request]
         if not progress.node.alive:
             return ()
@@ -248,12 +249,14 @@ class PrefixCache:
         saves = []
         while position < end:
             key = progress.prefix_key(request, position, self.block_size)
-            if key not in self._pending and not self._has_checkpoint(request, progress, position):
-                slot = self._free_slot()
-                if slot is None:
+            if not self._has_checkpoint(request, progress, position):
+                spare = key in self._pending
+                slot = self.mamba.take_checkpoint_slot() if spare else self._free_slot()
+                if slot is None and not spare:
                     break
-                save = self._pending[key] = PendingSave(position, slot, key)
-                saves.append(save)
+                if slot is not None:
+                    saves.append(PendingSave(position, slot, key))
+                    self._pending.setdefault(key, saves[-1])
             position += self.interval
         progress.reserved += saves
         return tuple(saves)

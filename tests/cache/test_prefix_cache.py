@@ -264,8 +264,9 @@ def test_reserved_checkpoint_slots_always_go_back():
     """A slot reserved for a save inside a launched chunk becomes a checkpoint when the
     chunk commits, and returns to the pool otherwise: the launch is rejected, the request
     ends with the chunk in flight, or a checkpoint got there first. A position already
-    checkpointed, or reserved by a chunk in flight, takes no slot."""
-    kv, mamba, cache = make(num_blocks=64, checkpoints=6, interval=8)
+    checkpointed takes no slot; one reserved by a chunk in flight takes a free slot only
+    (a spare), never evicting for it."""
+    kv, mamba, cache = make(num_blocks=64, checkpoints=6, interval=8, seqs=6)
     prompt = list(range(300, 340))  # 40 tokens: interval positions 8 .. 32 inside it
 
     def admitted(tokens):
@@ -289,20 +290,25 @@ def test_reserved_checkpoint_slots_always_go_back():
     first, commit_at = admitted(prompt)
     dsts, saves = launch_chunk(mamba, cache, first, 0, 30)
     assert [save.position for save in saves] == [8, 16, 24] and len(free) == 3
-    # The same prefix, admitted while those saves are in flight: it reserves nothing for 8,
-    # and its prompt-end checkpoint at 16 commits before `first` retires.
+    # The same prefix, admitted while those saves are in flight: a spare for 8 from the
+    # free slots; its spare and its prompt-end checkpoint at 16 commit before `first` does.
     short, _ = admitted(prompt[:16])
     short_dsts, short_saves = launch_chunk(mamba, cache, short, 0, 16)
-    assert short_saves == () and len(free) == 3
+    assert [save.position for save in short_saves] == [8] and len(free) == 2
     mamba.commit(short.state, short_dsts)
     cache.commit(short, 16)
-    assert cache.num_checkpoints == 1 and len(free) == 2
+    assert cache.num_checkpoints == 2 and len(free) == 1
     mamba.commit(first.state, dsts)
     assert commit_at <= 30
-    cache.commit(first, 30)  # 16 is a checkpoint already: that reserved slot goes back
+    cache.commit(first, 30)  # 8 and 16 are checkpoints already: those reserved slots go back
     assert cache.num_checkpoints == 3 and len(free) == 3
     second, _ = admitted(prompt)  # the same prompt again, not resumed: all checkpointed
     assert launch_chunk(mamba, cache, second, 0, 30)[1] == () and len(free) == 3
+    other = list(range(500, 540))
+    third, _ = admitted(other)
+    assert len(launch_chunk(mamba, cache, third, 0, 30)[1]) == 3 and len(free) == 0
+    fourth, _ = admitted(other)  # no free slot for a spare: nothing reserved, nothing evicted
+    assert launch_chunk(mamba, cache, fourth, 0, 30)[1] == () and cache.num_checkpoints == 3
     hit = cache.acquire(prompt[:27] + [1])
     assert hit.position == 24 and mamba.conv_states[0, hit.checkpoint.slot].eq(24).all()
     cache.cancel(hit)

@@ -348,6 +348,34 @@ def test_a_burst_of_one_prompt_does_not_evict_other_checkpoints(checkpoint):
     assert hf_logprobs(hf, second, resumed.output_token_ids).argmax(dim=-1).tolist() == resumed.output_token_ids
 
 
+def test_a_burst_whose_first_request_is_aborted_still_checkpoints_the_prefix(checkpoint):
+    """x and y share 8 tokens and are launched together (launch-ahead), both past the
+    interval position 8; x, which reserved it first, is aborted with its chunk in flight.
+    y's spare slot keeps the checkpoint, so a later prompt with that prefix resumes at 8
+    (found by a helper: without spares nobody wrote it)."""
+    path, hf = checkpoint
+    engine = engine_for(path, kv_block_size=4, prefix_cache_checkpoint_interval=8, num_kv_blocks=64, max_num_seqs=4,
+                        prefix_cache_max_checkpoints=8)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    shared = [11, 12, 13, 14, 15, 16, 17, 18]
+    engine.add_request("w", [5, 6, 7], params)
+    engine.step()  # w's decode is launched ahead: the next two chunks are in flight together
+    engine.add_request("x", shared + [21, 22, 23, 24], params)
+    engine.add_request("y", shared + [31, 32, 33, 34, 35, 36, 37, 38], params)
+    engine.step()
+    engine.abort_request("x")
+    while engine.has_unfinished_requests():
+        engine.step()
+    later = shared + [41, 42, 43, 44, 45]
+    engine.add_request("z", later, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            resumed = out
+    assert resumed.num_cached_tokens == 8
+    assert hf_logprobs(hf, later, resumed.output_token_ids).argmax(dim=-1).tolist() == resumed.output_token_ids
+    assert not engine.prefix_cache._pending  # nothing reserved once nothing runs
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(prefix_cache_checkpoint_interval=24), "prefix_cache_checkpoint_interval"),  # not a multiple of 16
     (dict(prefix_cache_checkpoint_interval=0), "prefix_cache_checkpoint_interval"),

@@ -154,9 +154,10 @@ def check_pools(engine, requests) -> None:
     pending = [save for progress in cache._progress.values() for save in progress.reserved]
     reserved = [save.slot for save in pending]
     assert len(set(reserved)) == len(reserved) and not set(reserved) & (set(slots) | released)
-    # The prefixes reserved in flight are exactly those reservations (none leaks, or its
-    # prefix would never be checkpointed again).
-    assert sorted(map(id, cache._pending.values())) == sorted(map(id, pending))
+    # Every prefix marked reserved in flight is one of those reservations (none leaks, or
+    # its prefix would never be checkpointed again without evicting).
+    assert {id(save) for save in cache._pending.values()} <= set(map(id, pending))
+    assert all(save.key == key for key, save in cache._pending.items())
     assert len(slots) + len(mamba._free_checkpoint_slots) + len(released) + len(reserved) == mamba.checkpoint_slots
 
 
