@@ -24,8 +24,10 @@ tokens, where the next proposal resumes; it leaves no finish checkpoint: its end
 drafts). A state exists at a chunk's end, so the scheduler ends a chunk at the prompt-end
 checkpoint when tokens follow it (`chunk_limit`). Interval checkpoints do not cut chunks:
 when a chunk is launched, a checkpoint slot is reserved for each interval position inside
-it (`reserve_saves`), the Mamba kernels write the state there from inside the chunk
-(`layers.kernels.ops.StateSaves`), and `commit` attaches it once the chunk retires. (Cut
+it (`reserve_saves`; none where a checkpoint exists, only a free spare where another chunk
+in flight reserved the same prefix), the Mamba kernels write the state there from inside
+the chunk (`layers.kernels.ops.StateSaves`), and `commit` attaches it once the chunk
+retires. (Cut
 chunks would turn first-come-first-served prefill into round robin: a long prompt would
 take one step per interval, and a burst of them would all finish late.) A checkpoint at a
 chunk's end takes the request's committed state slot itself, with no copy
