@@ -27,9 +27,8 @@ when a chunk is launched, a checkpoint slot is reserved for each interval positi
 it (`reserve_saves`; none where a checkpoint exists, only a free spare where another chunk
 in flight reserved the same prefix), the Mamba kernels write the state there from inside
 the chunk (`layers.kernels.ops.StateSaves`), and `commit` attaches it once the chunk
-retires. (Cut
-chunks would turn first-come-first-served prefill into round robin: a long prompt would
-take one step per interval, and a burst of them would all finish late.) A checkpoint at a
+retires. (Cut chunks would turn first-come-first-served prefill into round robin: a long
+prompt would take one step per interval, and a burst of them would all finish late.) A checkpoint at a
 chunk's end takes the request's committed state slot itself, with no copy
 (`MambaStateAllocator.hand_over`); the tail-block copies are device ops issued at once:
 stream order puts them after every launched step (whose writes they read) and before every
