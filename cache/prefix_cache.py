@@ -28,8 +28,8 @@ it (`reserve_saves`; none where a checkpoint exists, only a free spare where ano
 in flight reserved the same prefix), the Mamba kernels write the state there from inside
 the chunk (`layers.kernels.ops.StateSaves`), and `commit` attaches it once the chunk
 retires. (Cut chunks would turn first-come-first-served prefill into round robin: a long
-prompt would take one step per interval, and a burst of them would all finish late.) A checkpoint at a
-chunk's end takes the request's committed state slot itself, with no copy
+prompt would take one step per interval, and a burst of them would all finish late.) A
+checkpoint at a chunk's end takes the request's committed state slot itself, with no copy
 (`MambaStateAllocator.hand_over`); the tail-block copies are device ops issued at once:
 stream order puts them after every launched step (whose writes they read) and before every
 later one.
