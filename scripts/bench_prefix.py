@@ -13,7 +13,9 @@ time from `add_request` to the step that returns the request's first output toke
 `hit_rate_reusable` (the acceptance number) counts turns >= 2: cached tokens / reusable
 tokens, reusable = previous turn's prompt + answer - 1 (the last answer token was never
 fed). `system_prompt_hit_rate` is turn 1's share of the system prompt served from other
-conversations' blocks (a bonus). `engine_hit_rate` is the engine's prefix_cache_hits /
+conversations' blocks (a bonus). `ttft_turn1_p50_ms` / `ttft_later_p50_ms` split the TTFT
+p50 by turn, and `largest_first_token_group` is the most turns >= 2 whose first tokens came
+back in one step (such a group arrives together at its next turn). `engine_hit_rate` is the engine's prefix_cache_hits /
 prefix_cache_queries over the run.
 
 No-reuse: `--random-requests` random prompts of `--random-len` tokens, all submitted at
@@ -29,6 +31,7 @@ defaults the whole command is meant to fit one 10-minute device call. On CPU wit
 embedded` and tiny sizes it runs in seconds (tests/scripts/test_bench_prefix.py).
 """
 import argparse
+import collections
 import dataclasses
 import gc
 import json
@@ -147,8 +150,23 @@ def run_workload(engine, conversations: list[Conversation], answer_len: int,
     return list(records.values()), wall, stats
 
 
+def first_token_groups(records: list[TurnRecord]) -> list[int]:
+    """How many of `records` got their first token in each step, largest first (the driver
+    stamps every output of one step with the same time). Closed-loop conversations whose
+    answers have one length keep the groups their first turn formed: a group's next turns
+    arrive together and share a prompt step."""
+    return sorted(collections.Counter(r.first_token for r in records).values(), reverse=True)
+
+
+def ttft_p50_ms(records: list[TurnRecord]) -> float | None:
+    """Median time to first token of `records` in ms (None if there are none)."""
+    return statistics.median(1e3 * (r.first_token - r.added) for r in records) if records else None
+
+
 def summarize(records: list[TurnRecord], wall: float, stats: dict, system_len: int) -> dict:
-    """A workload's row: TTFT p50/p99, total time, output tok/s and cache hits."""
+    """A workload's row: TTFT p50/p99 (also for turn 1 and later turns apart, with the
+    largest group of later turns whose first tokens came in one step), total time, output
+    tok/s and cache hits."""
     ttft = [1e3 * (r.first_token - r.added) for r in records]
     output = sum(r.output_len for r in records)
     later = [r for r in records if r.turn > 1]
@@ -157,6 +175,8 @@ def summarize(records: list[TurnRecord], wall: float, stats: dict, system_len: i
     queries = stats["prefix_cache_queries"]
     return dict(
         requests=len(records), ttft_p50_ms=statistics.median(ttft), ttft_p99_ms=percentile(ttft, 0.99),
+        ttft_turn1_p50_ms=ttft_p50_ms(first), ttft_later_p50_ms=ttft_p50_ms(later),
+        largest_first_token_group=first_token_groups(later)[0] if later else None,
         total_s=wall, output_tokens=output, output_tok_s=output / wall,
         prompt_tokens=sum(r.prompt_len for r in records), cached_tokens=sum(r.cached for r in records),
         reusable_tokens=reusable,
@@ -211,6 +231,8 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, dict]:
             r = summarize(*run_workload(engine, convs, args.answer_len, f"{name}-{run}"), system_len)
             runs[name].append(r)
             print(f"caching {mode:3s} {name:10s} TTFT p50/p99 {r['ttft_p50_ms']:.1f}/{r['ttft_p99_ms']:.1f} ms  "
+                  f"(p50 turn 1 / later {milliseconds(r['ttft_turn1_p50_ms'])} / {milliseconds(r['ttft_later_p50_ms'])}, "
+                  f"largest first-token group {r['largest_first_token_group'] or '-'})  "
                   f"total {r['total_s']:.2f} s  {r['output_tok_s']:.0f} tok/s  hits/queries {r['prefix_cache_hits']}/"
                   f"{r['prefix_cache_queries']}  prefill {r['prefill_tokens']} tokens  pauses {r['pauses']}  "
                   f"evictions {r['evictions']}", flush=True)
@@ -242,14 +264,22 @@ def fraction(value: float | None) -> str:
     return "-" if value is None else f"{value:.1%}"
 
 
+def milliseconds(value: float | None) -> str:
+    """A time in ms, '-' where it does not apply."""
+    return "-" if value is None else f"{value:.1f}"
+
+
 def print_table(results: dict[str, dict[str, dict]], summary: dict | None) -> None:
     """One markdown row per mode and workload, then the ratios against the targets."""
-    print("| caching | workload | TTFT p50 (ms) | TTFT p99 (ms) | total (s) | output tok/s | hits / reusable "
-          "(turns >= 2) | system prompt hits (turn 1) | hits / queries (engine) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| caching | workload | TTFT p50 (ms) | TTFT p99 (ms) | TTFT p50 turn 1 / later (ms) | largest first-token "
+          "group (turns >= 2) | total (s) | output tok/s | hits / reusable (turns >= 2) | system prompt hits (turn 1) "
+          "| hits / queries (engine) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for mode, rows in results.items():
         for name, r in rows.items():
-            print(f"| {mode} | {name} | {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | {r['total_s']:.2f} | "
+            print(f"| {mode} | {name} | {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | "
+                  f"{milliseconds(r['ttft_turn1_p50_ms'])} / {milliseconds(r['ttft_later_p50_ms'])} | "
+                  f"{r['largest_first_token_group'] or '-'} | {r['total_s']:.2f} | "
                   f"{r['output_tok_s']:.0f} | {fraction(r['hit_rate_reusable'])} | "
                   f"{fraction(r['system_prompt_hit_rate'])} | {fraction(r['engine_hit_rate'])} |")
     if summary is None:

@@ -11,7 +11,8 @@ from hybrid_engine.tokenizer import BYTE_TOKENIZER_VOCAB_SIZE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from bench_prefix import (  # noqa: E402
-    WORKLOADS, main, multi_turn_workload, parse_args, percentile, random_workload, workloads)
+    WORKLOADS, TurnRecord, first_token_groups, main, multi_turn_workload, parse_args, percentile, random_workload,
+    workloads)
 
 TINY = ["--model", "embedded", "--conversations", "3", "--turns", "3", "--system-len", "48", "--user-len", "8", "16",
         "--answer-len", "5", "--random-requests", "4", "--random-len", "30", "50", "--max-num-seqs", "4",
@@ -77,6 +78,27 @@ def test_caching_on_hits_and_off_does_not(report):
     assert on["no-reuse"]["prefix_cache_hits"] == 0  # fresh random prompts: nothing from warm-up or multi-turn
     for row in off.values():
         assert row["cached_tokens"] == 0 and row["prefix_cache_hits"] == 0 and row["checkpoints_held"] == 0
+
+
+def test_turn_split_and_first_token_groups(report):
+    """Turn 1 and later turns' TTFT apart, and the largest group of later turns whose first
+    tokens came back in one step: at most every later turn, at least one."""
+    result, _ = report
+    for mode in ("on", "off"):
+        multi, single = result["results"][mode]["multi-turn"], result["results"][mode]["no-reuse"]
+        assert multi["ttft_turn1_p50_ms"] > 0 and multi["ttft_later_p50_ms"] > 0
+        assert 1 <= multi["largest_first_token_group"] <= 3 * 2
+        assert single["ttft_turn1_p50_ms"] == single["ttft_p50_ms"] and single["ttft_later_p50_ms"] is None
+        assert single["largest_first_token_group"] is None
+
+
+def test_first_token_groups_count_requests_per_step():
+    def record(first_token: float) -> TurnRecord:
+        return TurnRecord(conversation=0, turn=2, prompt_len=1, reusable=0, added=0.0, first_token=first_token)
+
+    steps = [0.5, 0.7, 0.5, 0.9, 0.5, 0.7]  # three in the step stamped 0.5, two in 0.7, one in 0.9
+    assert first_token_groups([record(t) for t in steps]) == [3, 2, 1]
+    assert first_token_groups([]) == []
 
 
 def test_one_mode_has_no_ratios():
