@@ -123,7 +123,7 @@ class _Progress:
         """A hash of the request's tokens before `position` (block aligned), chained block
         by block and computed once per block. Two requests whose keys are equal have the
         same prefix but for a hash collision, which costs at most a checkpoint not taken
-        (keys only ever skip a reservation; what is attached is matched token by token)."""
+        (a key only makes a reservation a spare; what is attached is matched token by token)."""
         hashes = self.block_hashes
         for i in range(len(hashes), position // block_size):
             hashes.append(hash((hashes[-1] if hashes else 0, _token_slice(request, i * block_size,
@@ -151,10 +151,10 @@ class PrefixCache:
         self._by_block: dict[int, CachedBlock | Checkpoint] = {}  # what each cached block holds
         self._checkpoints: OrderedDict[Checkpoint, None] = OrderedDict()  # least recently used first
         self._progress: dict[object, _Progress] = {}  # by request
-        # Reserved saves by prefix key: a chunk in flight will checkpoint that prefix, so
+        # Every reserved save by prefix key: while a chunk in flight will checkpoint a prefix,
         # another request with the same prefix (a burst of one system prompt, admitted before
         # any of it commits) evicts no checkpoint to reserve it again (a free slot it takes).
-        self._pending: dict[int, PendingSave] = {}
+        self._pending: dict[int, list[PendingSave]] = {}
         kv.set_evict_callback(self._on_block_evicted)
 
     @property
@@ -257,18 +257,19 @@ class PrefixCache:
                     break
                 if slot is not None:
                     saves.append(PendingSave(position, slot, key))
-                    self._pending.setdefault(key, saves[-1])
+                    self._pending.setdefault(key, []).append(saves[-1])
             position += self.interval
         progress.reserved += saves
         return tuple(saves)
 
     def _has_checkpoint(self, request, progress: _Progress, position: int) -> bool:
         """Whether the trie holds a checkpoint at block-aligned `position` of the request's
-        tokens (walking down from its registered prefix through blocks others registered)."""
+        tokens (walking down from its registered prefix through blocks others registered);
+        one found is marked recently used, as the chunk passes it."""
         node, bs = progress.node, self.block_size
         while node is not None and node.depth < position // bs:
             node = node.children.get(_token_slice(request, node.depth * bs, (node.depth + 1) * bs))
-        return node is not None and () in node.checkpoints
+        return node is not None and self._existing(node, ()) is not None
 
     def release_saves(self, request, saves: tuple[PendingSave, ...]) -> None:
         """A launched chunk was rejected: give its reserved slots back (its relaunch
@@ -285,7 +286,9 @@ class PrefixCache:
         self.mamba.free_checkpoint_slot(save.slot)
 
     def _forget_pending(self, save: PendingSave) -> None:
-        if self._pending.get(save.key) is save:
+        saves = self._pending[save.key]
+        saves.remove(save)
+        if not saves:
             del self._pending[save.key]
 
     def _next_interval(self, begin: int, position: int) -> int:

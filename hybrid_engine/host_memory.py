@@ -5,17 +5,19 @@ A container's memory limit is invisible in `/proc/meminfo`, which describes the 
 host: pools sized against it alone can exceed the limit, and the process is then killed
 (out of memory) instead of refusing to start with an error naming the flags. So each
 cgroup from the process's own up to the root that sets a limit caps the answer at its
-headroom: the limit minus the usage the kernel cannot reclaim (usage less the inactive
-file cache, as `docker stats` counts it). Both cgroup layouts are read: v2 (one
-hierarchy, `memory.max`) and v1 (the memory controller's own, `memory.limit_in_bytes`).
+headroom: the limit minus the usage that is not file cache (the kernel reclaims file
+cache, active or inactive, before it kills; `MemAvailable` counts it as available too).
+Both cgroup layouts are read: v2 (one hierarchy, `memory.max`) and v1 (the memory
+controller's own, `memory.limit_in_bytes`).
 """
 import os
 
 CGROUP_ROOT = "/sys/fs/cgroup"
 PROC_CGROUP = "/proc/self/cgroup"
-# (hierarchy under the root, limit file, usage file, the memory.stat key of the inactive file cache)
-_LAYOUTS = (("", "memory.max", "memory.current", "inactive_file"),  # v2
-            ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))  # v1
+# (hierarchy under the root, limit file, usage file, the memory.stat keys of the file cache)
+_LAYOUTS = (("", "memory.max", "memory.current", ("active_file", "inactive_file")),  # v2
+            ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes",
+             ("total_active_file", "total_inactive_file")))  # v1
 
 
 def available_host_memory(cgroup_root: str = CGROUP_ROOT, proc_cgroup: str = PROC_CGROUP) -> int | None:
@@ -30,18 +32,19 @@ def cgroup_headroom(cgroup_root: str = CGROUP_ROOT, proc_cgroup: str = PROC_CGRO
     ancestors (both layouts), None if none sets a limit."""
     paths = _cgroup_paths(proc_cgroup)
     headrooms = []
-    for hierarchy, limit_file, usage_file, inactive_key in _LAYOUTS:
+    for hierarchy, limit_file, usage_file, cache_keys in _LAYOUTS:
         path = paths.get(hierarchy)
         if path is None:
             continue
-        parts = [p for p in path.split("/") if p]
+        # (A path from outside this cgroup namespace reads "/../x": only names count.)
+        parts = [p for p in path.split("/") if p not in ("", ".", "..")]
         for depth in range(len(parts), -1, -1):  # the process's own cgroup first, the root last
             folder = os.path.join(cgroup_root, hierarchy, *parts[:depth])
             limit = _read_int(os.path.join(folder, limit_file))
             if limit is None:
                 continue
             usage = _read_int(os.path.join(folder, usage_file)) or 0
-            reclaimable = _stat(os.path.join(folder, "memory.stat"), inactive_key)
+            reclaimable = _stat(os.path.join(folder, "memory.stat"), cache_keys)
             headrooms.append(max(0, limit - max(0, usage - reclaimable)))
     return min(headrooms) if headrooms else None
 
@@ -92,14 +95,15 @@ def _read_int(path: str) -> int | None:
         return None
 
 
-def _stat(path: str, key: str) -> int:
-    """One counter of a memory.stat file (0 if absent)."""
+def _stat(path: str, keys: tuple[str, ...]) -> int:
+    """The sum of some counters of a memory.stat file (absent ones count 0)."""
+    total = 0
     try:
         with open(path) as f:
             for line in f:
                 name, _, value = line.partition(" ")
-                if name == key:
-                    return int(value)
+                if name in keys:
+                    total += int(value)
     except (OSError, ValueError):
         pass
-    return 0
+    return total

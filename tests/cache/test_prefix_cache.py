@@ -314,6 +314,50 @@ def test_reserved_checkpoint_slots_always_go_back():
     cache.cancel(hit)
 
 
+def test_a_spare_keeps_its_prefix_reserved_when_the_first_reservation_goes():
+    """Two requests with one prefix launched together: the first reserves 8, the second
+    takes a spare. The first is aborted with its chunk in flight: the spare still marks
+    the prefix reserved, so a third request with it evicts no one's checkpoint for it."""
+    kv, mamba, cache = make(num_blocks=128, checkpoints=3, interval=8, seqs=6)
+    run_request(kv, mamba, cache, list(range(900, 907)))  # another conversation's finish checkpoint
+
+    def launched(tokens):
+        request = FakeRequest(prompt_token_ids=tokens, output_token_ids=[], blocks=kv.allocate(kv.blocks_for(12)))
+        request.state = mamba.allocate()
+        cache.start(request)
+        return launch_chunk(mamba, cache, request, 0, 12)[1], request
+
+    shared = list(range(300, 312))
+    (first_save,), first = launched(shared)
+    (spare,), _ = launched(shared)
+    assert first_save.position == spare.position == 8 and not mamba._free_checkpoint_slots
+    cache.finish(first, 0)  # aborted with its chunk in flight: its slot goes back
+    launched(list(range(500, 512)))  # an unrelated prompt takes that free slot
+    assert launched(shared)[0] == ()  # the spare still writes 8: nothing reserved, nothing evicted
+    hit = cache.acquire(list(range(900, 907)) + [1])
+    assert hit is not None and hit.position == 6
+    cache.cancel(hit)
+
+
+def test_a_checkpoint_a_chunk_passes_is_kept_as_recently_used():
+    """A chunk that passes an existing checkpoint (8) and reserves the next position (16)
+    must not evict the one it passes to get the slot: the least recently used goes."""
+    kv, mamba, cache = make(num_blocks=128, checkpoints=2, interval=8, seqs=6)
+    shared = list(range(300, 324))
+    request = FakeRequest(prompt_token_ids=shared, output_token_ids=[], blocks=kv.allocate(kv.blocks_for(24)))
+    request.state = mamba.allocate()
+    cache.start(request)
+    run_request(kv, mamba, cache, shared[:8] + [999, 998])  # checkpoints at 8 (the shared prefix) and 9
+    dsts, saves = launch_chunk(mamba, cache, request, 0, 20)  # passes 8, reserves 16 (evicting 9)
+    assert [save.position for save in saves] == [16]
+    mamba.commit(request.state, dsts)
+    cache.commit(request, 20)
+    assert sorted(c.position for c in cache._checkpoints) == [8, 16]
+    hit = cache.acquire(shared[:12] + [7, 7, 7])
+    assert hit.position == 8
+    cache.cancel(hit)
+
+
 def test_a_request_may_place_its_prompt_end_checkpoint_later():
     """`checkpoint_at` (a draft proposal: the target's committed end, inside its output)
     moves the prompt-end checkpoint; a later request with those tokens resumes there."""

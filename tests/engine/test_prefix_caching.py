@@ -106,7 +106,8 @@ def engine_for(path: str, **kw):
 def assert_same_turns(got: Conversations, want: Conversations, atol: float, hf=None) -> None:
     """Same prompts and tokens turn by turn, logprobs (the sampled token and top-K) within
     atol; with `hf`, within atol plus `want`'s own distance from float64 HF (its rounding),
-    which must stay within HF_ATOL."""
+    which must stay within HF_ATOL, and `got` no further from float64 HF than `want` is,
+    plus atol."""
     truth = None if hf is None else float64_oracle(hf)
     for i, (a_turns, b_turns) in enumerate(zip(got.turns, want.turns)):
         assert len(a_turns) == len(b_turns)
@@ -116,9 +117,13 @@ def assert_same_turns(got: Conversations, want: Conversations, atol: float, hf=N
             for pos, (ea, eb) in enumerate(zip(a.logprobs, b.logprobs)):
                 assert ea.keys() == eb.keys(), f"conversation {i} turn {t} position {pos}: {ea} vs {eb}"
                 for token in ea:
-                    rounding = 0.0 if exact is None else abs(eb[token] - exact[pos, token].item())
-                    assert rounding <= HF_ATOL, f"c{i} t{t} pos {pos}: {eb} is {rounding} from float64 HF"
-                    bound = atol + rounding
+                    bound = atol
+                    if exact is not None:
+                        rounding = abs(eb[token] - exact[pos, token].item())
+                        assert rounding <= HF_ATOL, f"c{i} t{t} pos {pos}: {eb} is {rounding} from float64 HF"
+                        assert abs(ea[token] - exact[pos, token].item()) <= atol + rounding, \
+                            f"c{i} t{t} pos {pos}: {ea} is further from float64 HF than {eb}"
+                        bound += rounding
                     assert abs(ea[token] - eb[token]) <= bound, f"c{i} t{t} pos {pos}: {ea} vs {eb} (bound {bound})"
 
 

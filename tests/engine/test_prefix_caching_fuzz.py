@@ -154,10 +154,12 @@ def check_pools(engine, requests) -> None:
     pending = [save for progress in cache._progress.values() for save in progress.reserved]
     reserved = [save.slot for save in pending]
     assert len(set(reserved)) == len(reserved) and not set(reserved) & (set(slots) | released)
-    # Every prefix marked reserved in flight is one of those reservations (none leaks, or
-    # its prefix would never be checkpointed again without evicting).
-    assert {id(save) for save in cache._pending.values()} <= set(map(id, pending))
-    assert all(save.key == key for key, save in cache._pending.items())
+    # The reservations by prefix are exactly those (none leaks: its prefix would never be
+    # checkpointed again without evicting; none is missing: a later request would evict to
+    # reserve a prefix a chunk in flight already writes).
+    marked = [save for saves in cache._pending.values() for save in saves]
+    assert sorted(map(id, marked)) == sorted(map(id, pending)) and all(cache._pending.values())
+    assert all(save.key == key for key, saves in cache._pending.items() for save in saves)
     assert len(slots) + len(mamba._free_checkpoint_slots) + len(released) + len(reserved) == mamba.checkpoint_slots
 
 
