@@ -249,8 +249,8 @@ class PrefixCache:
         position = self._next_interval(progress.begin, start)
         saves = []
         while position < end:
-            key = progress.prefix_key(request, position, self.block_size)
             if not self._has_checkpoint(request, progress, position):
+                key = progress.prefix_key(request, position, self.block_size)
                 spare = key in self._pending
                 slot = self.mamba.take_checkpoint_slot() if spare else self._free_slot()
                 if slot is None and not spare:
@@ -286,6 +286,7 @@ class PrefixCache:
         self.mamba.free_checkpoint_slot(save.slot)
 
     def _forget_pending(self, save: PendingSave) -> None:
+        """The save no longer marks its prefix reserved (its slot is attached or freed)."""
         saves = self._pending[save.key]
         saves.remove(save)
         if not saves:
