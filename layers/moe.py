@@ -1,10 +1,12 @@
 """Mixture-of-experts blocks: NemotronH's (sigmoid, grouped top-k, relu^2 experts, shared
 expert, optional latent projections) and Granite's (softmax top-k, SwiGLU experts).
 
-Each block is the router GEMM, the router op and one `moe_experts` call that also runs the
-shared expert when it can (no latent projections, no biases): on the GPU six kernels per
-layer (`layers/kernels/triton/moe.py`). The blocks feed the ops their inputs as they are
-(bf16 logits, float32 routing weights); the ops do the casts the reference makes.
+Each block is the router op (router GEMM and routing) and one `moe_experts` call that also
+runs the shared expert when it can (no latent projections, no biases): on the GPU six
+kernels per layer, five for NemotronH up to 16 tokens, whose router op is then one kernel
+(`layers/kernels/triton/moe_routing.py`, `moe.py`). The blocks feed the ops
+their inputs as they are (hidden states, router weights, float32 routing weights); the ops
+do the casts the reference makes.
 
 Tensor parallel (`tp`): routers are replicated (every rank routes every token alike). With
 `tp.expert_parallel` False every expert is split by its intermediate size; with it True
@@ -24,19 +26,14 @@ from layers.parallel import SINGLE, ParallelContext, Shard, set_shard
 
 
 class _Router(nn.Module):
+    """NemotronH's router parameters (checkpoint names `gate.weight`, `gate.e_score_correction_bias`);
+    the ops' `route_sigmoid_grouped` computes the logits and routes."""
+
     def __init__(self, num_experts: int, hidden_size: int, correction_bias: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
         if correction_bias:
             self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
-
-    def float32_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ weight^T with float32 products and sums (transformers casts both operands to
-        float32). On CUDA, half-precision operands go into one float32-output GEMM instead:
-        the same exact products, without two cast kernels."""
-        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and self.weight.dtype == x.dtype:
-            return torch.mm(x, self.weight.t(), out_dtype=torch.float32)
-        return F.linear(x.float(), self.weight.float())
 
 
 @dataclass(frozen=True)
@@ -140,7 +137,7 @@ class NemotronHMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.placement.local_routes(*self.ops.route_sigmoid_grouped(
-            self.gate.float32_logits(x), self.gate.e_score_correction_bias, self.top_k, self.n_group,
+            x, self.gate.weight, self.gate.e_score_correction_bias, self.top_k, self.n_group,
             self.topk_group, self.norm_topk_prob, self.routed_scaling_factor,
         ))
         if self.shared_in_experts:
@@ -180,9 +177,8 @@ class GraniteMoE(nn.Module):
         """The routed experts' sum, plus the block's `shared` MLP when given (computed in the
         same kernels; with tensor parallelism it is split like the experts, and the block's
         output is reduced once)."""
-        # Logits stay in x's dtype (transformers rounds them there before routing in float32).
-        logits = self.ops.linear(x, self.router.layer.weight)
-        weights, ids = self.placement.local_routes(*self.ops.route_softmax_topk(logits, self.top_k))
+        weights, ids = self.placement.local_routes(*self.ops.route_softmax_topk(x, self.router.layer.weight,
+                                                                                 self.top_k))
         shared_weights = shared.expert_weights() if shared is not None else (None, None)
         return self.tp.all_reduce(self.ops.moe_experts(x, self.input_linear.weight, self.output_linear.weight,
                                                        weights, ids, "swiglu", *shared_weights))

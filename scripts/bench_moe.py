@@ -5,8 +5,9 @@ One MoE layer of granite-4.0-h-tiny and of nemotron-3-nano-30b-a3b (bf16, random
 random tokens doing the routing) at T = 1, 8, 32, 128, 2048 tokens, three ways:
 - old layer: the forward before the fused path: float32 casts, the torch reference routers,
   sorted dispatch + torch._grouped_mm experts, the shared expert as its own MLP, an add;
-- fused layer: `NemotronHMoE` / `GraniteMoE` on the fast ops (router GEMM, router kernel,
-  alignment, up GEMM, down GEMM, combine; the shared expert inside the GEMMs);
+- fused layer: `NemotronHMoE` / `GraniteMoE` on the fast ops (router GEMM and routing kernel,
+  one kernel for NemotronH up to 16 tokens; alignment, up GEMM, down GEMM, combine; the
+  shared expert inside the GEMMs);
 - fused experts: `moe_experts` alone on fixed routes (the GEMMs' share of the layer).
 Calls rotate over 4 copies of the layer with distinct weights, so no weight comes from the
 L2 cache. "active MB": the bytes a call must move -- router and shared-expert weights, the
@@ -80,9 +81,9 @@ class Layer:
         """The fast routers' (weights, ids), as the fused layer computes them."""
         m = self.module
         if self.nemotron:
-            return FAST_OPS.route_sigmoid_grouped(m.gate.float32_logits(x), m.gate.e_score_correction_bias, m.top_k,
-                                             m.n_group, m.topk_group, m.norm_topk_prob, m.routed_scaling_factor)
-        return FAST_OPS.route_softmax_topk(m.router.layer(x), m.top_k)
+            return FAST_OPS.route_sigmoid_grouped(x, m.gate.weight, m.gate.e_score_correction_bias, m.top_k,
+                                                  m.n_group, m.topk_group, m.norm_topk_prob, m.routed_scaling_factor)
+        return FAST_OPS.route_softmax_topk(x, m.router.layer.weight, m.top_k)
 
     def fused(self, x: torch.Tensor) -> torch.Tensor:
         return self.module(x) if self.nemotron else self.module(x, self.shared)
@@ -90,12 +91,12 @@ class Layer:
     def old(self, x: torch.Tensor) -> torch.Tensor:
         m = self.module
         if self.nemotron:
-            logits = F.linear(x.float(), m.gate.weight.float())
-            weights, ids = ref.route_sigmoid_grouped(logits, m.gate.e_score_correction_bias, m.top_k, m.n_group,
-                                                     m.topk_group, m.norm_topk_prob, m.routed_scaling_factor)
+            weights, ids = ref.route_sigmoid_grouped(x, m.gate.weight, m.gate.e_score_correction_bias, m.top_k,
+                                                     m.n_group, m.topk_group, m.norm_topk_prob,
+                                                     m.routed_scaling_factor)
             routed = sorted_grouped_mm_experts(x, *self.up_down(), weights, ids, "relu2")
             return routed + m.shared_experts(x)
-        weights, ids = ref.route_softmax_topk(m.router.layer(x).float(), m.top_k)
+        weights, ids = ref.route_softmax_topk(x, m.router.layer.weight, m.top_k)
         return sorted_grouped_mm_experts(x, *self.up_down(), weights.to(x.dtype), ids, "swiglu") + self.shared(x)
 
     def weight_bytes(self, ids: torch.Tensor) -> float:

@@ -52,7 +52,7 @@ from decode_floors import copy_bandwidth  # noqa: E402
 from layers.kernels.triton.conv1d import conv_update_channels  # noqa: E402
 from layers.kernels.triton.device import sm_count  # noqa: E402
 from layers.kernels.triton.linear import (  # noqa: E402
-    ROW_TILE, _row_tile_product, _store_rows, _sum_slices, linear, linear_conv_update, linear_relu_square, tiling)
+    ROW_TILE, _store_rows, row_tile_product, sum_slices, linear, linear_conv_update, linear_relu_square, tiling)
 from layers.kernels.triton.norm import gated_rms_norm  # noqa: E402
 from layers.kernels.triton.ssm_update import softplus, ssm_state_update  # noqa: E402
 
@@ -229,7 +229,7 @@ def _mamba_tiled_kernel(
             for k0 in range(0, H, BK):
                 k = k0 + ks
                 w = tl.load(w_rows + k[None, :], mask=(cols[:, None] < NIN) & (k[None, :] < H), other=0.0)
-                acc = _row_tile_product(acc, v_ptr, w, rows, k, 1, H, H)
+                acc = row_tile_product(acc, v_ptr, w, rows, k, 1, H, H, "tf32")
             _store_rows(acc, w_in_ptr, zx, rows, cols, 1, NIN, NIN, False, DSSM, CONV, conv_w_ptr + layer * CONV * K,
                         conv_b_ptr + layer * CONV, conv_state_ptr + layer * 2 * CONV * (K - 1), src_ptr, dst_ptr,
                         K, CONV * (K - 1), K - 1, 1, True, K, True, True, False)
@@ -256,11 +256,11 @@ def _mamba_tiled_kernel(
             k_o = k0 + ks
             w_o = tl.load(w_rows_o + k_o[None, :], mask=(cols_o[:, None] < H) & (k_o[None, :] < k_start + k_len),
                           other=0.0)
-            acc_o = _row_tile_product(acc_o, scratch - k_start, w_o, rows, k_o, 1, k_start + k_len, 0)
+            acc_o = row_tile_product(acc_o, scratch - k_start, w_o, rows, k_o, 1, k_start + k_len, 0, "tf32")
         tl.store(partial_ptr + (pid // (H // BN_OUT)) * 16 * H + rows[:, None] * H + cols_o[None, :], acc_o)
         tl.debug_barrier()
         if tl.atomic_add(arrivals_ptr + col_tile, 1, sem="acq_rel") == SPLIT_OUT - 1:
-            acc_o = _sum_slices(partial_ptr, rows, cols_o, H, 16, SPLIT_OUT)
+            acc_o = sum_slices(partial_ptr, rows, cols_o, 1, H, 16, SPLIT_OUT)
             _store_rows(acc_o, w_out_ptr, out_ptr + layer * H, rows, cols_o, 1, H, H, False, 0, 0, out_ptr, out_ptr,
                         out_ptr, out_ptr, out_ptr, 0, 0, 0, 0, False, 2, False, False, False)
             tl.atomic_xchg(arrivals_ptr + col_tile, 0)

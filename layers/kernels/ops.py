@@ -157,19 +157,23 @@ class KernelOps(Protocol):
         (0 = padding row). `max_seqlen_q` and `num_decode` (leading one-query sequences) are
         host-known shape hints. Returns [T, H, Dh] in q's dtype."""
 
-    def route_sigmoid_grouped(self, router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
-                              n_group: int, topk_group: int, norm_topk_prob: bool,
+    def route_sigmoid_grouped(self, x: torch.Tensor, router_weight: torch.Tensor, correction_bias: torch.Tensor,
+                              top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
                               routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """NemotronH router: sigmoid scores, the correction bias steers the group-limited
-        top-k choice only (group score: the sum of a group's two best). router_logits: [T, E]
-        any float dtype, routed in float32. Returns (weights [T, k] float32, expert ids [T, k]
-        int64); the order of the k is the implementation's (the fast op: best first, ties to
-        the lowest expert index)."""
+        """NemotronH router, from the hidden states x [T, H] and router_weight [E, H]: the
+        logits x @ router_weight^T in float32 (float32 products and sums, as transformers
+        casts both operands), sigmoid scores, and the correction bias steers the
+        group-limited top-k choice only (group score: the sum of a group's two best).
+        Returns (weights [T, k] float32, expert ids [T, k] int64); the order of the k is the
+        implementation's (the fast op: best first, ties to the lowest expert index). The
+        fast op takes a decode step's few rows in one kernel, logits included."""
 
-    def route_softmax_topk(self, router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Granite router: top-k of the logits (any float dtype, routed in float32), softmax
-        over the chosen k. Returns (weights [T, k] float32, expert ids [T, k] int64), best
-        first (the fast op breaks ties to the lowest expert index)."""
+    def route_softmax_topk(self, x: torch.Tensor, router_weight: torch.Tensor,
+                           top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Granite router, from x [T, H] and router_weight [E, H]: top-k of the logits
+        x @ router_weight^T (rounded to x's dtype, as `linear` rounds them, then routed in
+        float32), softmax over the chosen k. Returns (weights [T, k] float32, expert ids
+        [T, k] int64), best first (the fast op breaks ties to the lowest expert index)."""
 
     def moe_experts(self, x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, activation: str, shared_up: torch.Tensor | None = None,

@@ -64,6 +64,21 @@ def randn(*shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -
     return (torch.randn(*shape, device=DEVICE) * scale).to(dtype)
 
 
+def exact_logits(logits: torch.Tensor, hidden: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x [T, hidden], router weight [E, hidden]) whose product is exactly `logits` [T, E]
+    in any summation order: x's rows are one-hot, so each logit is one product and zeros.
+    Row t's one is at the middle of the t-th of T equal column ranges, so the rows' logits
+    lie in different K slices of a split-K router GEMM (a slice left out changes them)."""
+    tokens, experts = logits.shape
+    hidden = max(hidden, tokens)
+    columns = (torch.arange(tokens, device=logits.device) * 2 + 1) * hidden // (2 * tokens)
+    x = torch.zeros(tokens, hidden, device=logits.device, dtype=logits.dtype)
+    x[torch.arange(tokens, device=logits.device), columns] = 1
+    weight = torch.zeros(experts, hidden, device=logits.device, dtype=logits.dtype)
+    weight[:, columns] = logits.t()
+    return x, weight
+
+
 def slot_plan(padded: list[bool], in_place: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """(src, dst, valid, num_slots): distinct slots per row (dst == src when in place), -1 for padding rows."""
     rows = len(padded)
@@ -658,7 +673,10 @@ def test_decode_ops_capture_in_cuda_graph() -> None:
     w_up = randn(8, 96, 128, dtype=torch.bfloat16, scale=0.1)
     w_down = randn(8, 128, 96, dtype=torch.bfloat16, scale=0.1)
     weights, ids = torch.softmax(randn(batch, 2), dim=-1), torch.rand(batch, 8, device=DEVICE).argsort(dim=1)[:, :2]
-    logits = randn(batch, 8)
+    # Router inputs whose logits are exact in any summation order (one-hot rows, in
+    # different K slices of the 1,024-wide router GEMM), so the ids can be compared exactly:
+    # replays change the router weight, which holds the logits.
+    route_x, router_w = exact_logits(torch.zeros(batch, 8, device=DEVICE, dtype=torch.bfloat16))
     bias = randn(8)
     proj_x, proj_w = randn(batch, 1000, dtype=torch.bfloat16), randn(200, 1000, dtype=torch.bfloat16, scale=0.03)
     proj_states = randn(num_slots, 130, width - 1, dtype=torch.bfloat16)
@@ -673,8 +691,8 @@ def test_decode_ops_capture_in_cuda_graph() -> None:
                 ssm_update.ssm_state_update(ssm_states, x, dt, a, b, c, d_skip, src, dst),
                 attention.paged_attention(q, k_cache, v_cache, tables, lens, cu, 0.1, max_seqlen_q=1, num_decode=batch),
                 moe.moe_experts(mx, w_up, w_down, weights, ids, "relu2"),
-                *moe_routing.route_sigmoid_grouped(logits, bias, 2, 2, 1, True, 2.5),
-                *moe_routing.route_softmax_topk(logits, 2),
+                *moe_routing.route_sigmoid_grouped(route_x, router_w, bias, 2, 2, 1, True, 2.5),
+                *moe_routing.route_softmax_topk(route_x, router_w, 2),
                 sampling.logits_argmax(lm_out, 6))
 
     stream = torch.cuda.Stream()
@@ -686,8 +704,11 @@ def test_decode_ops_capture_in_cuda_graph() -> None:
     with torch.cuda.graph(graph):
         outs = step()
 
-    for tensor in (proj_x, conv_x, x, dt, b, c, q, mx, weights, logits, lm_out):
+    for tensor in (proj_x, conv_x, x, dt, b, c, q, mx, weights, lm_out):
         tensor.copy_(torch.randn_like(tensor.float()).to(tensor.dtype))
+    # Distinct logits (multiples of 1/16, exact in bf16): no ties, whose order torch.topk leaves open.
+    router_w.copy_(exact_logits(((torch.randperm(8 * batch, device=DEVICE) - 24) / 16).view(batch, 8)
+                                .to(torch.bfloat16))[1])
     lens.copy_(torch.tensor([9, 0, 80, 1, 48, 32], dtype=torch.int32, device=DEVICE))
     ids.copy_(torch.stack([torch.randperm(8, device=DEVICE)[:2] for _ in range(batch)]))
     proj_expected, conv_expected, ssm_expected = proj_states.clone(), conv_states.clone(), ssm_states.clone()
@@ -697,8 +718,8 @@ def test_decode_ops_capture_in_cuda_graph() -> None:
                 ref.ssm_state_update(ssm_expected, x, dt, a, b, c, d_skip, src, dst),
                 ref.paged_attention(q, k_cache, v_cache, tables, lens, cu, 0.1),
                 ref.moe_experts(mx, w_up, w_down, weights, ids, "relu2"),
-                *ref.route_sigmoid_grouped(logits, bias, 2, 2, 1, True, 2.5),
-                *ref.route_softmax_topk(logits, 2),
+                *ref.route_sigmoid_grouped(route_x, router_w, bias, 2, 2, 1, True, 2.5),
+                *ref.route_softmax_topk(route_x, router_w, 2),
                 ref.logits_argmax(lm_out, 6))
     graph.replay()
     torch.cuda.synchronize()

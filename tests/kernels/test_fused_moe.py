@@ -12,13 +12,15 @@ from layers.kernels import REFERENCE_OPS
 from layers.kernels import reference as ref
 # The device choice (skips without CUDA unless interpreting), seeding and comparisons of the
 # other fast-op tests.
-from tests.kernels.test_fast_ops import DEVICE, DTYPES, LOW, TOL, assert_close, fixed_seed, randn  # noqa: F401
+from tests.kernels.test_fast_ops import (DEVICE, DTYPES, LOW, TOL, assert_close, exact_logits, fixed_seed,  # noqa: F401
+                                        randn)
 
 pytestmark = pytest.mark.gpu
 RUNS_IN_TRITON_INTERPRETER = True  # conftest: TRITON_INTERPRET=1 runs these on the CPU
 
 from layers.kernels import fast  # noqa: E402
 from layers.kernels.triton import moe, moe_align, moe_routing  # noqa: E402
+from layers.kernels.triton.device import arrival_counters  # noqa: E402
 from layers.mlp import SwiGLUMLP  # noqa: E402
 from layers.moe import GraniteMoE, NemotronHMoE  # noqa: E402
 
@@ -34,20 +36,25 @@ def by_expert(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, t
 # ---------------------------------------------------------------- routers
 
 
-@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (5, 64, 6), (37, 40, 6), (300, 128, 8), (3, 64, 1)])
+# Up to routing_rows (16 here) NemotronH's router GEMM runs in the routing kernel; 37 and
+# 300 rows take the GEMM and the routing kernel after it.
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (5, 64, 6), (16, 128, 6), (37, 40, 6), (300, 128, 8),
+                                                  (3, 64, 1)])
 def test_route_softmax_topk(tokens: int, experts: int, top_k: int) -> None:
     logits = randn(tokens, experts)
-    weights, ids = moe_routing.route_softmax_topk(logits, top_k)
-    expected_weights, expected_ids = ref.route_softmax_topk(logits, top_k)
+    x, weight = exact_logits(logits)
+    weights, ids = moe_routing.route_softmax_topk(x, weight, top_k)
+    expected_weights, expected_ids = ref.route_softmax_topk(x, weight, top_k)
     assert ids.dtype == torch.int64 and weights.dtype == torch.float32
     assert torch.equal(ids, expected_ids)  # both best first
     assert (weights - expected_weights).abs().max().item() < 1e-6
 
 
-def test_route_softmax_topk_ties_pick_the_lowest_expert() -> None:
-    """bf16 logits tie often: the documented order is a stable descending sort."""
-    logits = torch.randint(-3, 4, (64, 32), device=DEVICE).to(LOW)  # 7 values over 32 experts: many ties
-    weights, ids = moe_routing.route_softmax_topk(logits, 6)
+@pytest.mark.parametrize("tokens", [16, 64])  # one fused routing tile, and the GEMM + routing kernel
+def test_route_softmax_topk_ties_pick_the_lowest_expert(tokens: int) -> None:
+    """Half-precision logits tie often: the documented order is a stable descending sort."""
+    logits = torch.randint(-3, 4, (tokens, 32), device=DEVICE).to(LOW)  # 7 values over 32 experts: many ties
+    weights, ids = moe_routing.route_softmax_topk(*exact_logits(logits), 6)
     assert torch.equal(ids, torch.sort(-logits.float(), dim=1, stable=True)[1][:, :6])
     expected = torch.softmax(logits.float().gather(1, ids), dim=-1)
     assert (weights - expected).abs().max().item() < 1e-6
@@ -59,6 +66,7 @@ SIGMOID_CASES = [
     (7, 64, 6, 8, 4, True, 2.5),
     (33, 64, 6, 8, 4, False, 2.5),
     (300, 128, 6, 1, 1, True, 2.5),  # Nemotron-3-Nano's router
+    (16, 128, 6, 1, 1, True, 2.5),  # the same, one fused routing tile
     (9, 16, 2, 16, 3, True, 1.5),  # single-expert groups
     (5, 48, 4, 4, 2, False, 1.0),  # experts not a power of two
 ]
@@ -68,8 +76,9 @@ SIGMOID_CASES = [
 def test_route_sigmoid_grouped(tokens: int, experts: int, top_k: int, n_group: int, topk_group: int, norm: bool,
                                scale: float) -> None:
     logits, bias = randn(tokens, experts), randn(experts, scale=0.1)
-    weights, ids = moe_routing.route_sigmoid_grouped(logits, bias, top_k, n_group, topk_group, norm, scale)
-    expected = ref.route_sigmoid_grouped(logits, bias, top_k, n_group, topk_group, norm, scale)
+    x, weight = exact_logits(logits)
+    weights, ids = moe_routing.route_sigmoid_grouped(x, weight, bias, top_k, n_group, topk_group, norm, scale)
+    expected = ref.route_sigmoid_grouped(x, weight, bias, top_k, n_group, topk_group, norm, scale)
     (w, i), (ew, ei) = by_expert(weights, ids), by_expert(*expected)
     assert torch.equal(i, ei)
     assert (w - ew).abs().max().item() < 1e-6
@@ -77,14 +86,56 @@ def test_route_sigmoid_grouped(tokens: int, experts: int, top_k: int, n_group: i
     assert (choice[:, :-1] >= choice[:, 1:]).all(), "not best first"
 
 
+def assert_routes_the_top_k(ids: torch.Tensor, choice: torch.Tensor, tol: float) -> None:
+    """Each row's ids are k distinct experts whose choice values are the row's k largest, up
+    to `tol` (logits summed in another order may swap near-ties)."""
+    k = ids.shape[1]
+    assert all(len(set(row)) == k for row in ids.tolist())
+    chosen = torch.zeros_like(choice, dtype=torch.bool).scatter_(1, ids, True)
+    worst_chosen = choice.masked_fill(~chosen, float("inf")).min(1).values
+    best_other = choice.masked_fill(chosen, float("-inf")).max(1).values
+    assert (worst_chosen >= best_other - tol).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 6, 16, 17])  # NemotronH's router GEMM in its routing kernel up to 16 rows
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_routers_from_random_hidden_states(dtype: torch.dtype, tokens: int, router: str) -> None:
+    """The router GEMM of real-sized inputs (Nemotron-3-Nano's 2,688 x 128 router: for the
+    sigmoid router a split-K GEMM in the routing kernel): the routes are the top-k of the float64 logits, up to the
+    summation order, and the weights are the reference formula at the chosen experts."""
+    hidden, experts, top_k = 2688, 128, 6
+    x, weight = randn(tokens, hidden, dtype=dtype), randn(experts, hidden, dtype=dtype, scale=hidden ** -0.5)
+    logits = x.double() @ weight.double().t()
+    if router == "softmax":
+        weights, ids = moe_routing.route_softmax_topk(x, weight, top_k)
+        logits = logits.to(dtype).double()  # Granite's logits in x's dtype
+        assert_routes_the_top_k(ids, logits, 1e-5 if dtype == torch.float32 else 1e-2)
+        expected = torch.softmax(logits.gather(1, ids), dim=-1)
+    else:
+        bias = randn(experts, scale=0.1)
+        weights, ids = moe_routing.route_sigmoid_grouped(x, weight, bias, top_k, 1, 1, True, 2.5)
+        scores = torch.sigmoid(logits)
+        assert_routes_the_top_k(ids, scores + bias.double(), 1e-5)
+        expected = scores.gather(1, ids) / scores.gather(1, ids).sum(1, keepdim=True) * 2.5
+    assert (weights.double() - expected).abs().max().item() < (1e-5 if router == "sigmoid" or dtype == torch.float32
+                                                                 else 1e-2)
+    again = (moe_routing.route_softmax_topk(x, weight, top_k) if router == "softmax"
+             else moe_routing.route_sigmoid_grouped(x, weight, bias, top_k, 1, 1, True, 2.5))
+    assert torch.equal(again[0], weights) and torch.equal(again[1], ids), "not deterministic"
+    assert not arrival_counters(x.device).any(), "an arrival counter was left set"
+
+
 def test_routers_reject_impossible_configs() -> None:
-    logits = randn(2, 16)
+    x, weight = exact_logits(randn(2, 16))
     with pytest.raises(ValueError, match="top_k"):
-        moe_routing.route_softmax_topk(logits, 17)
+        moe_routing.route_softmax_topk(x, weight, 17)
     with pytest.raises(ValueError, match="n_group"):
-        moe_routing.route_sigmoid_grouped(logits, randn(16), 2, 3, 1, True, 1.0)
+        moe_routing.route_sigmoid_grouped(x, weight, randn(16), 2, 3, 1, True, 1.0)
     with pytest.raises(ValueError, match="top_k"):
-        moe_routing.route_sigmoid_grouped(logits, randn(16), 5, 4, 1, True, 1.0)
+        moe_routing.route_sigmoid_grouped(x, weight, randn(16), 5, 4, 1, True, 1.0)
+    with pytest.raises(ValueError, match="router_weight"):
+        moe_routing.route_softmax_topk(x, weight[:, :-1], 2)
 
 
 # ---------------------------------------------------------------- alignment
@@ -238,9 +289,10 @@ def _layers(dtype: torch.dtype) -> dict[str, tuple[torch.nn.Module, torch.nn.Mod
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layer", ["nemotron", "nemotron_latent", "granite", "granite_shared"])
-def test_moe_layers_fast_vs_reference(dtype: torch.dtype, layer: str) -> None:
+@pytest.mark.parametrize("tokens", [5, 37])  # NemotronH's router: one kernel, then GEMM + routing kernel
+def test_moe_layers_fast_vs_reference(dtype: torch.dtype, layer: str, tokens: int) -> None:
     fast_layer, reference, extra = _layers(dtype)[layer]
-    x = randn(37, 128, dtype=dtype)
+    x = randn(tokens, 128, dtype=dtype)
     with torch.no_grad():
         assert_close(fast_layer(x, *extra), reference(x, *extra), TOL[dtype])
 
@@ -273,7 +325,8 @@ def test_moe_layer_captures_in_cuda_graph(layer: str) -> None:
 @pytest.mark.parametrize("tokens", [1, 64])
 def test_moe_layer_kernel_count(layer: str, tokens: int) -> None:
     """A MoE layer with its shared expert launches at most 8 kernels (issue 14's target):
-    router GEMM, router, alignment, up GEMM, down GEMM, combine."""
+    router GEMM, router, alignment, up GEMM, down GEMM, combine; NemotronH's router GEMM and
+    routing are one kernel for a decode step's few rows."""
     fast_layer, _, extra = _layers(torch.bfloat16)[layer]
     x = randn(tokens, 128, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -283,4 +336,7 @@ def test_moe_layer_kernel_count(layer: str, tokens: int) -> None:
             fast_layer(x, *extra)
             torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    assert 6 <= len(kernels) <= 8, kernels
+    if layer == "nemotron" and tokens == 1:
+        assert len(kernels) == 5 and "_gemm_route_kernel" in kernels[0], kernels
+    else:
+        assert 6 <= len(kernels) <= 8, kernels

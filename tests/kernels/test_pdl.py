@@ -72,7 +72,7 @@ def test_kernels_of_a_hybrid_moe_run_launch_dependent_on_hopper(tmp_path, monkey
     ran = {name for name, flags in compiled.items() if flags}
     assert {"norm._add_rms_norm_kernel", "conv1d._conv_update_kernel", "ssm_update._ssm_update_kernel",
             "ssd._ssd_varlen_kernel", "attention._attn_decode_kernel", "moe._moe_gemm_kernel",
-            "moe_routing._sigmoid_grouped_kernel", "moe_align._align_kernel"} <= ran
+            "moe_routing._gemm_route_kernel", "moe_routing._route_kernel", "moe_align._align_kernel"} <= ran
     assert {name: flags for name, flags in compiled.items() if set(flags) - {expected}} == {}
     monkeypatch.setattr(device_module, "_pdl_on", lambda device: False)
     assert launched == run(async_scheduling=False, cuda_graphs=False)

@@ -135,10 +135,10 @@ def test_routing_recorder_keeps_the_routers_ids(make_block):
     assert block.ops is REFERENCE_OPS  # restored
     with torch.no_grad():
         if isinstance(block, GraniteMoE):
-            expected = REFERENCE_OPS.route_softmax_topk(block.router.layer(x), block.top_k)[1]
+            expected = REFERENCE_OPS.route_softmax_topk(x, block.router.layer.weight, block.top_k)[1]
         else:
             expected = REFERENCE_OPS.route_sigmoid_grouped(
-                block.gate.float32_logits(x), block.gate.e_score_correction_bias, block.top_k, block.n_group,
+                x, block.gate.weight, block.gate.e_score_correction_bias, block.top_k, block.n_group,
                 block.topk_group, block.norm_topk_prob, block.routed_scaling_factor)[1]
         assert torch.equal(out, block(x))  # recording changed nothing
     assert len(recorder.ids) == 1 and len(recorder.ids[0]) == 1

@@ -6,7 +6,8 @@ from layers.kernels.reference.activation import relu_square
 
 
 def route_sigmoid_grouped(
-    router_logits: torch.Tensor,
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
     correction_bias: torch.Tensor,
     top_k: int,
     n_group: int,
@@ -18,11 +19,13 @@ def route_sigmoid_grouped(
 
     The correction bias only steers which experts are chosen; the weights are the raw
     sigmoid scores of the chosen experts (optionally renormalized), times the scaling factor.
-    router_logits: [T, E], routed in float32. Returns (weights [T, k] float32, expert ids
-    [T, k] int64).
+    x: [T, H]; router_weight: [E, H]; the logits x @ router_weight^T are taken in float32
+    (transformers casts both operands). Returns (weights [T, k] float32, expert ids [T, k]
+    int64).
     """
+    router_logits = F.linear(x.float(), router_weight.float())
     n_tokens, n_experts = router_logits.shape
-    scores = router_logits.float().sigmoid()
+    scores = router_logits.sigmoid()
     choice = scores + correction_bias.float()
     per_group = choice.view(n_tokens, n_group, n_experts // n_group)
     group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1)[0].sum(dim=-1)
@@ -37,9 +40,11 @@ def route_sigmoid_grouped(
     return weights * routed_scaling_factor, ids
 
 
-def route_softmax_topk(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Granite / Mixtral router: top-k of the logits, softmax over the chosen k."""
-    top_logits, ids = router_logits.float().topk(top_k, dim=-1)
+def route_softmax_topk(x: torch.Tensor, router_weight: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Granite / Mixtral router: top-k of the logits x @ router_weight^T, which are rounded
+    to x's dtype (as transformers' router linear leaves them), softmax over the chosen k in
+    float32."""
+    top_logits, ids = F.linear(x, router_weight).float().topk(top_k, dim=-1)
     return torch.softmax(top_logits, dim=-1), ids
 
 

@@ -49,10 +49,13 @@ class Tiling:
 
 
 @triton.jit
-def _row_tile_product(acc, x_ptr, w, rows, k, M, K, stride_xm):
+def row_tile_product(acc, x_ptr, w, rows, k, M, K, stride_xm, PRECISION: tl.constexpr):
+    """acc + x[rows, k] @ w^T for a [BLOCK_N, BLOCK_K] weight tile (rows past M and columns
+    past K read as zeros); PRECISION is tl.dot's for float32 inputs (half-precision ones
+    ignore it)."""
     x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
                 other=0.0)
-    return acc + tl.dot(x, tl.trans(w))
+    return acc + tl.dot(x, tl.trans(w), input_precision=PRECISION)
 
 
 @triton.jit
@@ -90,12 +93,14 @@ def _store_rows(acc, b_ptr, y_ptr, rows, cols, M, N, stride_ym, HAS_BIAS: tl.con
 
 
 @triton.jit
-def _sum_slices(partial_ptr, rows, cols, N, ROWS: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Slice 0's partial plus slices 1.. in order (read from L2: other programs wrote them)."""
+def sum_slices(partial_ptr, rows, cols, M, N, ROWS: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Split-K partial sums ([SPLIT_K, ROWS, N] float32) at rows < M and cols < N: slice 0
+    plus slices 1.. in order (read from L2: other programs wrote them); zeros elsewhere."""
     ptrs = partial_ptr + rows[:, None] * N + cols[None, :]
-    acc = tl.load(ptrs, mask=cols[None, :] < N, other=0.0, cache_modifier=".cg")
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    acc = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
     for s in range(1, SPLIT_K):
-        acc += tl.load(ptrs + s * ROWS * N, mask=cols[None, :] < N, other=0.0, cache_modifier=".cg")
+        acc += tl.load(ptrs + s * ROWS * N, mask=mask, other=0.0, cache_modifier=".cg")
     return acc
 
 
@@ -122,9 +127,9 @@ def _skinny_linear_kernel(
     for k0 in range(k_start, k_stop, BLOCK_K):
         k = k0 + ks
         w = tl.load(w_rows + k[None, :], mask=(cols[:, None] < N) & (k[None, :] < k_stop), other=0.0)
-        acc0 = _row_tile_product(acc0, x_ptr, w, rows, k, M, k_stop, stride_xm)
+        acc0 = row_tile_product(acc0, x_ptr, w, rows, k, M, k_stop, stride_xm, "tf32")
         if ROW_TILES == 2:
-            acc1 = _row_tile_product(acc1, x_ptr, w, rows + 16, k, M, k_stop, stride_xm)
+            acc1 = row_tile_product(acc1, x_ptr, w, rows + 16, k, M, k_stop, stride_xm, "tf32")
     last = True  # this program stores its column tile: the only one, or the last of its slices to arrive
     if SPLIT_K > 1:
         ROWS: tl.constexpr = 16 * ROW_TILES
@@ -135,9 +140,9 @@ def _skinny_linear_kernel(
         tl.debug_barrier()  # every thread's partial is stored before the arrival releases them
         last = tl.atomic_add(arrivals_ptr + col_tile, 1, sem="acq_rel") == SPLIT_K - 1
         if last:
-            acc0 = _sum_slices(partial_ptr, rows, cols, N, ROWS, SPLIT_K)
+            acc0 = sum_slices(partial_ptr, rows, cols, M, N, ROWS, SPLIT_K)
             if ROW_TILES == 2:
-                acc1 = _sum_slices(partial_ptr, rows + 16, cols, N, ROWS, SPLIT_K)
+                acc1 = sum_slices(partial_ptr, rows + 16, cols, M, N, ROWS, SPLIT_K)
     if last:
         for tile in tl.static_range(ROW_TILES):
             _store_rows(acc0 if tile == 0 else acc1, b_ptr, y_ptr, rows + 16 * tile, cols, M, N, stride_ym, HAS_BIAS,

@@ -15,7 +15,8 @@ The shared expert (same activation, no biases) runs inside the same kernels: its
 intermediate width S is cut into cdiv(S, I) chunks of the routed width I, pseudo-experts
 E, E+1, ... with weight 1 that every token visits (for relu2 and SwiGLU the chunks' down
 projections add up to the whole MLP's). So a MoE layer with a shared expert costs the
-router GEMM, the router kernel and these four kernels.
+router op (`moe_routing.py`: one or two kernels, or three with cuBLAS's split-K reduce) and
+these four kernels.
 
 Numerics follow the reference: float32 accumulation, each projection rounded to x's dtype
 before the activation, the down projection rounded to x's dtype before it is weighted,
