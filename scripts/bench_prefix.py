@@ -7,9 +7,11 @@ async + CUDA graphs).
 Multi-turn: `--conversations` closed-loop clients, all starting at once, each running
 `--turns` turns. Turn 1's prompt is a shared `--system-len`-token system prompt plus a user
 message of `--user-len` tokens (uniform, seeded); turn t+1 is added as soon as turn t
-finishes, with prompt = turn t's prompt + its answer + a new user message. Answers are
+finishes (or, with `--think-time-s MEAN`, a seeded exponential time of that mean later, as
+a user reads the answer before writing; TTFT then counts from that arrival), with prompt =
+turn t's prompt + its answer + a new user message. Answers are
 `--answer-len` tokens (greedy, EOS ignored); token ids are random in [3, vocab). TTFT is the
-time from `add_request` to the step that returns the request's first output token.
+time from a request's arrival to the step that returns its first output token.
 `hit_rate_reusable` (the acceptance number) counts turns >= 2: cached tokens / reusable
 tokens, reusable = previous turn's prompt + answer - 1 (the last answer token was never
 fed). `system_prompt_hit_rate` is turn 1's share of the system prompt served from other
@@ -34,8 +36,10 @@ import argparse
 import collections
 import dataclasses
 import gc
+import heapq
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -108,27 +112,35 @@ def random_workload(requests: int, prompt_len: tuple[int, int], vocab: int, seed
             for i in range(requests)]
 
 
-def run_workload(engine, conversations: list[Conversation], answer_len: int,
-                 tag: str) -> tuple[list[TurnRecord], float, dict]:
+def run_workload(engine, conversations: list[Conversation], answer_len: int, tag: str, think_time_s: float = 0.0,
+                 seed: int = 0) -> tuple[list[TurnRecord], float, dict]:
     """Drive the engine until every conversation has run all its turns; a conversation's
-    next turn is added right after the step that finished its previous one. Returns the
-    per-request records, the wall time (s) and the engine's `COUNTERS` over the run plus the
-    checkpoints it holds at the end."""
+    next turn arrives `think_time_s` on average (exponential, seeded; 0: at once) after the
+    step that finished its previous one, and is added at the first step boundary from then
+    (its TTFT counts from the arrival). Returns the per-request records, the wall time (s)
+    and the engine's `COUNTERS` over the run plus the checkpoints it holds at the end."""
     params = SamplingParams(max_tokens=answer_len, temperature=0, ignore_eos=True)
     records: dict[str, TurnRecord] = {}
     prompts: dict[str, list[int]] = {}
+    arrivals: list[tuple[float, int, int, list[int], int]] = []  # heap: (time, conversation, turn, prompt, reusable)
+    think = random.Random(seed)
 
-    def submit(index: int, turn: int, prompt: list[int], reusable: int) -> None:
+    def submit(arrival: float, index: int, turn: int, prompt: list[int], reusable: int) -> None:
         rid = f"{tag}-{conversations[index].name}-t{turn}"
         prompts[rid] = prompt
-        records[rid] = TurnRecord(index, turn, len(prompt), reusable, added=time.perf_counter())
+        records[rid] = TurnRecord(index, turn, len(prompt), reusable, added=arrival)
         engine.add_request(rid, prompt, params)
 
     before = engine.stats()
     start = time.perf_counter()
     for index, conv in enumerate(conversations):
-        submit(index, 1, conv.first_prompt, 0)
-    while engine.has_unfinished_requests():
+        submit(start, index, 1, conv.first_prompt, 0)
+    while engine.has_unfinished_requests() or arrivals:
+        while arrivals and arrivals[0][0] <= time.perf_counter():
+            submit(*heapq.heappop(arrivals))
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, arrivals[0][0] - time.perf_counter()))  # every conversation is thinking
+            continue
         outputs = checked_step(engine)
         now = time.perf_counter()
         for out in outputs:
@@ -142,7 +154,9 @@ def run_workload(engine, conversations: list[Conversation], answer_len: int,
             messages = conversations[record.conversation].user_messages
             history = prompts.pop(out.request_id) + out.output_token_ids
             if record.turn <= len(messages):
-                submit(record.conversation, record.turn + 1, history + messages[record.turn - 1], len(history) - 1)
+                arrival = now + (think.expovariate(1 / think_time_s) if think_time_s else 0.0)
+                heapq.heappush(arrivals, (arrival, record.conversation, record.turn + 1,
+                                          history + messages[record.turn - 1], len(history) - 1))
     wall = time.perf_counter() - start
     after = engine.stats()
     stats = {k: after[k] - before[k] for k in COUNTERS}
@@ -228,7 +242,8 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, dict]:
     runs: dict[str, list[dict]] = {name: [] for name in WORKLOADS}
     for run in range(args.repeats):
         for name, (convs, system_len) in workloads(args, vocab, run, 1.0).items():
-            r = summarize(*run_workload(engine, convs, args.answer_len, f"{name}-{run}"), system_len)
+            r = summarize(*run_workload(engine, convs, args.answer_len, f"{name}-{run}", args.think_time_s,
+                                        seed=1000 * args.seed + run), system_len)
             runs[name].append(r)
             print(f"caching {mode:3s} {name:10s} TTFT p50/p99 {r['ttft_p50_ms']:.1f}/{r['ttft_p99_ms']:.1f} ms  "
                   f"(p50 turn 1 / later {milliseconds(r['ttft_turn1_p50_ms'])} / {milliseconds(r['ttft_later_p50_ms'])}, "
@@ -308,6 +323,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--user-len", type=int, nargs=2, default=[100, 300], metavar=("MIN", "MAX"),
                     help="user message tokens, uniform in [MIN, MAX]")
     ap.add_argument("--answer-len", type=int, default=128)
+    ap.add_argument("--think-time-s", type=float, default=0.0,
+                    help="mean seconds (exponential) between an answer and the next turn (default 0: at once)")
     ap.add_argument("--random-requests", type=int, default=256, help="no-reuse workload requests")
     ap.add_argument("--random-len", type=int, nargs=2, default=[2048, 3072], metavar=("MIN", "MAX"),
                     help="no-reuse prompt tokens, uniform in [MIN, MAX]")
@@ -333,6 +350,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             ap.error(f"--{name.replace('_', '-')} needs 1 <= MIN <= MAX")
     if not 0 < args.warmup_scale <= 1:
         ap.error("--warmup-scale must be in (0, 1]")
+    if args.think_time_s < 0:
+        ap.error("--think-time-s must be >= 0")
     return args
 
 
@@ -343,7 +362,8 @@ def main(argv: list[str] | None = None) -> dict:
     results = {mode: run_mode(args, mode) for mode in args.modes}
     summary = ratios(results) if set(args.modes) == set(MODES) else None
     print(f"\nmodel {args.model}, {args.conversations} conversations x {args.turns} turns, system prompt "
-          f"{args.system_len}, user {args.user_len[0]}-{args.user_len[1]}, answers {args.answer_len}; no-reuse "
+          f"{args.system_len}, user {args.user_len[0]}-{args.user_len[1]}, answers {args.answer_len}, think time "
+          f"{args.think_time_s} s; no-reuse "
           f"{args.random_requests} x {args.random_len[0]}-{args.random_len[1]} tokens; max_num_seqs "
           f"{args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens or 'default'}")
     print_table(results, summary)

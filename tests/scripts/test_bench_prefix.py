@@ -12,7 +12,9 @@ from hybrid_engine.tokenizer import BYTE_TOKENIZER_VOCAB_SIZE
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from bench_prefix import (  # noqa: E402
     WORKLOADS, TurnRecord, first_token_groups, main, multi_turn_workload, parse_args, percentile, random_workload,
-    workloads)
+    run_workload, workloads)
+
+from hybrid_engine import LLM  # noqa: E402
 
 TINY = ["--model", "embedded", "--conversations", "3", "--turns", "3", "--system-len", "48", "--user-len", "8", "16",
         "--answer-len", "5", "--random-requests", "4", "--random-len", "30", "50", "--max-num-seqs", "4",
@@ -92,6 +94,28 @@ def test_turn_split_and_first_token_groups(report):
         assert single["largest_first_token_group"] is None
 
 
+@pytest.mark.parametrize("think_time_s", [0.0, 0.02])
+def test_next_turn_arrives_after_the_think_time(think_time_s):
+    """A turn arrives when its previous turn finished (think time 0) or a seeded exponential
+    time later, the same draws for the same seed; TTFT counts from that arrival."""
+    llm = LLM(device="cpu", dtype="float32", max_num_seqs=4, max_model_len=256, cuda_graphs=False)  # embedded
+    convs = multi_turn_workload(3, 3, 16, (4, 8), BYTE_TOKENIZER_VOCAB_SIZE, seed=5)
+
+    def gaps(tag: str) -> list[float]:
+        records, wall, _ = run_workload(llm.engine, convs, 4, tag, think_time_s, seed=7)
+        assert len(records) == 9 and all(r.output_len == 4 and r.first_token >= r.added for r in records)
+        by_turn = {(r.conversation, r.turn): r for r in records}
+        assert wall >= max(r.finished for r in records) - min(r.added for r in records)
+        return sorted(r.added - by_turn[r.conversation, r.turn - 1].finished for r in records if r.turn > 1)
+
+    first = gaps("a")
+    if think_time_s == 0:
+        assert first == [0.0] * 6
+    else:  # six distinct positive draws; a second run draws the same ones
+        assert all(g > 0 for g in first) and len(set(first)) == 6
+        assert gaps("b") == pytest.approx(first, abs=1e-6)  # (perf_counter's magnitude rounds them)
+
+
 def test_first_token_groups_count_requests_per_step():
     def record(first_token: float) -> TurnRecord:
         return TurnRecord(conversation=0, turn=2, prompt_len=1, reusable=0, added=0.0, first_token=first_token)
@@ -133,7 +157,8 @@ def test_percentile_is_nearest_rank():
     assert percentile(values, 0.99) == 100 and percentile(values, 0.5) == 51 and percentile([3.0], 0.99) == 3.0
 
 
-@pytest.mark.parametrize("argv", [["--user-len", "9", "8"], ["--turns", "0"], ["--warmup-scale", "0"]])
+@pytest.mark.parametrize("argv", [["--think-time-s", "-1"], ["--user-len", "9", "8"], ["--turns", "0"],
+                                  ["--warmup-scale", "0"]])
 def test_bad_sizes_exit(argv):
     with pytest.raises(SystemExit):
         parse_args(argv)
