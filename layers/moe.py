@@ -27,11 +27,14 @@ from layers.parallel import SINGLE, ParallelContext, Shard, set_shard
 
 class _Router(nn.Module):
     """NemotronH's router parameters (checkpoint names `gate.weight`, `gate.e_score_correction_bias`);
-    the ops' `route_sigmoid_grouped` computes the logits and routes."""
+    the ops' `route_sigmoid_grouped` computes the logits and routes. Both stay float32 in a
+    half-precision model, as transformers keeps them (`_keep_in_fp32_modules_strict`) and
+    vLLM builds them: a checkpoint's float32 router is not rounded, and the logits are
+    float32 products of it."""
 
     def __init__(self, num_experts: int, hidden_size: int, correction_bias: bool):
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size, dtype=torch.float32))
         if correction_bias:
             self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
 

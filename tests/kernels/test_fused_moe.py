@@ -86,6 +86,21 @@ def test_route_sigmoid_grouped(tokens: int, experts: int, top_k: int, n_group: i
     assert (choice[:, :-1] >= choice[:, 1:]).all(), "not best first"
 
 
+@pytest.mark.parametrize("tokens", [1, 16, 17])  # one kernel up to 16 rows, then a float32 GEMM + routing
+def test_sigmoid_router_reads_a_float32_weight_unrounded(tokens: int) -> None:
+    """NemotronH's router weight stays float32 in a half-precision model: its logits are
+    float32 products (exact here: one-hot rows), not those of a rounded weight."""
+    logits = randn(tokens, 64, scale=2.0)
+    assert not torch.equal(logits, logits.to(LOW).float())  # rounding the weight would change them
+    x, weight = exact_logits(logits)
+    x = x.to(LOW)  # one-hot: exact in any dtype
+    bias = randn(64, scale=0.1)
+    weights, ids = moe_routing.route_sigmoid_grouped(x, weight, bias, 6, 8, 4, True, 2.5)
+    expected_weights, expected_ids = ref.route_sigmoid_grouped(x, weight, bias, 6, 8, 4, True, 2.5)
+    (w, i), (ew, ei) = by_expert(weights, ids), by_expert(expected_weights, expected_ids)
+    assert torch.equal(i, ei) and (w - ew).abs().max().item() < 1e-6
+
+
 def assert_routes_the_top_k(ids: torch.Tensor, choice: torch.Tensor, tol: float) -> None:
     """Each row's ids are k distinct experts whose choice values are the row's k largest, up
     to `tol` (logits summed in another order may swap near-ties)."""

@@ -145,6 +145,23 @@ def test_checkpoint_without_tokenizer_takes_token_ids(nemotron_dir):
         llm.generate("text prompt", use_tqdm=False)
 
 
+def test_nemotron_router_stays_float32_in_a_bfloat16_model(tmp_path):
+    """As transformers keeps it (`_keep_in_fp32_modules_strict`): a checkpoint's float32
+    router weight is loaded unrounded, next to bf16 experts."""
+    make_hf_checkpoint(tmp_path, "nemotron_moe")
+    model = load_model(read_config(str(tmp_path)), str(tmp_path), torch.device("cpu"), torch.bfloat16)
+    tensors = load_file(os.path.join(tmp_path, "model.safetensors"))
+    routers = [(name, m) for name, m in model.named_modules() if name.endswith(".gate") and hasattr(m, "weight")]
+    assert routers
+    for name, router in routers:
+        key = next(k for k in tensors if k.endswith(name.split("layers.", 1)[1] + ".weight"))
+        assert tensors[key].dtype == torch.float32
+        assert router.weight.dtype == torch.float32 and torch.equal(router.weight, tensors[key])
+        assert router.e_score_correction_bias.dtype == torch.float32
+    experts = next(m for name, m in model.named_modules() if name.endswith(".experts"))
+    assert experts.up.dtype == torch.bfloat16
+
+
 def test_dummy_load_format_is_seeded(nemotron_dir):
     a = _greedy(nemotron_dir, load_format="dummy", seed=3)
     assert a == _greedy(nemotron_dir, load_format="dummy", seed=3)

@@ -51,11 +51,11 @@ class Tiling:
 @triton.jit
 def row_tile_product(acc, x_ptr, w, rows, k, M, K, stride_xm, PRECISION: tl.constexpr):
     """acc + x[rows, k] @ w^T for a [BLOCK_N, BLOCK_K] weight tile (rows past M and columns
-    past K read as zeros); PRECISION is tl.dot's for float32 inputs (half-precision ones
-    ignore it)."""
+    past K read as zeros), x taken in w's dtype (a half-precision x against a float32 weight:
+    exactly); PRECISION is tl.dot's for float32 inputs (half-precision ones ignore it)."""
     x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
                 other=0.0)
-    return acc + tl.dot(x, tl.trans(w), input_precision=PRECISION)
+    return acc + tl.dot(x.to(w.dtype), tl.trans(w), input_precision=PRECISION)
 
 
 @triton.jit

@@ -252,8 +252,9 @@ def route_softmax_topk(x: torch.Tensor, router_weight: torch.Tensor, top_k: int)
 
 
 def _float32_logits(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
-    """x @ router_weight^T with float32 products and sums: half-precision operands on CUDA
-    go into one float32-output GEMM (the same exact products, without two cast kernels)."""
+    """x @ router_weight^T with float32 products and sums (NemotronH's float32 router weight:
+    x converted, one float32 GEMM); half-precision operands of one dtype on CUDA go into one
+    float32-output GEMM (the same exact products, without two cast kernels)."""
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and router_weight.dtype == x.dtype:
         return torch.mm(x, router_weight.t(), out_dtype=torch.float32)
     return F.linear(x.float(), router_weight.float())
@@ -261,8 +262,9 @@ def _float32_logits(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Tenso
 
 def _takes_gemm_route_kernel(x: torch.Tensor, router_weight: torch.Tensor) -> bool:
     """A decode step's few rows (one routing tile) of a dtype the kernel multiplies, the
-    weight in the same dtype, both with contiguous rows."""
-    return (0 < x.shape[0] <= routing_rows(router_weight.shape[0]) and x.dtype == router_weight.dtype
+    weight in the same dtype or float32, both with contiguous rows."""
+    return (0 < x.shape[0] <= routing_rows(router_weight.shape[0])
+            and router_weight.dtype in (x.dtype, torch.float32)
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.stride(1) == 1
             and router_weight.stride(1) == 1)
 
@@ -302,7 +304,8 @@ def route_sigmoid_grouped(
         _gemm_route_kernel[(triton.cdiv(num_experts, tiles.block_n), tiles.split)](
             x, router_weight, correction_bias, partials, arrival_counters(x.device), weights, ids, x.shape[0],
             num_experts, hidden, x.stride(0), router_weight.stride(0), params.pop("scaling"),
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+            PRECISION="ieee" if router_weight.dtype == torch.float32 else "tf32", BLOCK_N=tiles.block_n,
+            BLOCK_K=tiles.block_k,
             SPLIT_K=tiles.split, **params, ROUTE_ROWS=triton.next_power_of_2(x.shape[0]),
             num_warps=4 if x.shape[0] <= 4 else 8, num_stages=4, **pdl(x))
     elif x.shape[0]:
