@@ -86,7 +86,7 @@ def test_route_sigmoid_grouped(tokens: int, experts: int, top_k: int, n_group: i
     assert (choice[:, :-1] >= choice[:, 1:]).all(), "not best first"
 
 
-@pytest.mark.parametrize("tokens", [1, 16, 17])  # one kernel up to 16 rows, then a float32 GEMM + routing
+@pytest.mark.parametrize("tokens", [1, 16, 17, 33])  # one kernel up to 16 rows; then logits, then routing
 def test_sigmoid_router_reads_a_float32_weight_unrounded(tokens: int) -> None:
     """NemotronH's router weight stays float32 in a half-precision model: its logits are
     float32 products (exact here: one-hot rows), not those of a rounded weight."""
@@ -113,14 +113,16 @@ def assert_routes_the_top_k(ids: torch.Tensor, choice: torch.Tensor, tol: float)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens", [1, 6, 16, 17])  # NemotronH's router GEMM in its routing kernel up to 16 rows
-@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("tokens", [1, 6, 16, 17, 33])  # NemotronH's router GEMM in its routing kernel up to 16 rows
+@pytest.mark.parametrize("router", ["softmax", "sigmoid", "sigmoid, float32 weight"])
 def test_routers_from_random_hidden_states(dtype: torch.dtype, tokens: int, router: str) -> None:
     """The router GEMM of real-sized inputs (Nemotron-3-Nano's 2,688 x 128 router: for the
-    sigmoid router a split-K GEMM in the routing kernel): the routes are the top-k of the float64 logits, up to the
-    summation order, and the weights are the reference formula at the chosen experts."""
+    sigmoid router a split-K GEMM in the routing kernel; NemotronH's weight is float32 in a
+    bf16 model): the routes are the top-k of the float64 logits, up to the summation order,
+    and the weights are the reference formula at the chosen experts."""
     hidden, experts, top_k = 2688, 128, 6
-    x, weight = randn(tokens, hidden, dtype=dtype), randn(experts, hidden, dtype=dtype, scale=hidden ** -0.5)
+    weight_dtype = torch.float32 if "float32" in router else dtype
+    x, weight = randn(tokens, hidden, dtype=dtype), randn(experts, hidden, dtype=weight_dtype, scale=hidden ** -0.5)
     logits = x.double() @ weight.double().t()
     if router == "softmax":
         weights, ids = moe_routing.route_softmax_topk(x, weight, top_k)

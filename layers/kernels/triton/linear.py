@@ -51,10 +51,24 @@ class Tiling:
 @triton.jit
 def row_tile_product(acc, x_ptr, w, rows, k, M, K, stride_xm, PRECISION: tl.constexpr):
     """acc + x[rows, k] @ w^T for a [BLOCK_N, BLOCK_K] weight tile (rows past M and columns
-    past K read as zeros), x taken in w's dtype (a half-precision x against a float32 weight:
-    exactly); PRECISION is tl.dot's for float32 inputs (half-precision ones ignore it)."""
+    past K read as zeros); PRECISION is tl.dot's for float32 inputs (half-precision ones
+    ignore it).
+
+    A bfloat16 x against a float32 weight (NemotronH's router) takes the weight as the sum
+    of three bfloat16 pieces (24 = 3 x 8 significand bits: exact down to bfloat16's
+    smallest normal numbers), each product exact in float32: three tensor-core dots in
+    place of a float32 one, which runs on the CUDA cores (3x slower router kernel, measured).
+    Any other mix converts x to w's dtype (exact for a half-precision x)."""
     x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
                 other=0.0)
+    if x.dtype == tl.bfloat16 and w.dtype == tl.float32:
+        high = w.to(tl.bfloat16)
+        rest = w - high.to(tl.float32)  # exact: what rounding to bfloat16 dropped
+        middle = rest.to(tl.bfloat16)
+        low = (rest - middle.to(tl.float32)).to(tl.bfloat16)
+        acc = tl.dot(x, tl.trans(high), acc)
+        acc = tl.dot(x, tl.trans(middle), acc)
+        return tl.dot(x, tl.trans(low), acc)
     return acc + tl.dot(x.to(w.dtype), tl.trans(w), input_precision=PRECISION)
 
 
@@ -238,10 +252,13 @@ def linear_conv_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: Tiling,
-                  conv: ConvUpdate | None = None, relu_squared: bool = False) -> torch.Tensor:
+                  conv: ConvUpdate | None = None, relu_squared: bool = False,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The skinny kernel with the given tiles, for inputs `takes_kernel` accepts (benchmarks
     and tests sweep tilings through it), with `conv`'s update of the conv columns if given,
-    and relu^2 of every output if `relu_squared`."""
+    and relu^2 of every output if `relu_squared`. The output is in `out_dtype` (default x's):
+    float32 keeps the float32 sums unrounded (NemotronH's router logits, against a float32
+    weight, `row_tile_product`)."""
     n, k = weight.shape
     if x.numel() == 0 or (tiles.split > 1 and triton.cdiv(n, tiles.block_n) * tiles.split > MAX_SPLIT_PROGRAMS):
         raise ValueError(f"skinny_linear: no rows, or a split grid over {MAX_SPLIT_PROGRAMS} programs ({tiles})")
@@ -250,7 +267,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     row_tiles = triton.cdiv(rows, ROW_TILE)
-    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((rows, n), dtype=out_dtype or x.dtype, device=x.device)
     split = tiles.split > 1  # unsplit: no partials (`out` stands in for the unused pointer)
     partials = torch.empty((tiles.split, row_tiles * ROW_TILE, n), dtype=torch.float32, device=x.device) if split else out
     if conv is None:  # (`out` stands in for the unused pointers)

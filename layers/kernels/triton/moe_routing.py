@@ -10,9 +10,12 @@ into column tiles and K slices as the skinny projection kernel does (`linear.til
 store float32 partial sums, and the last program to arrive (an arrival counter, reset by
 that program) adds them in slice order and routes every row. The order is fixed, so the
 result is deterministic. That replaces cuBLAS's float32-output GEMM and its split-K reduce,
-which are not programmatic dependent launches. A prompt step's rows get the logits from
-that GEMM and the routing kernel after it. Granite's logits come from `linear` (the skinny
-kernel at decode, already a dependent launch), then the routing kernel.
+which are not programmatic dependent launches. More rows get their logits from a separate
+kernel (`_float32_logits`), then the routing kernel. NemotronH's router weight is float32 (as
+in transformers) in a half-precision model: against a bfloat16 x the kernels multiply its
+three bfloat16 pieces on the tensor cores, exactly (`linear.row_tile_product`). Granite's
+logits come from `linear` (the skinny kernel at decode, already a dependent launch), then
+the routing kernel.
 
 Top-k is k rounds of arg-max. Ties go to the lowest expert index (the reference's
 torch.topk leaves tie order unspecified; exactly equal scores are the only case where the
@@ -32,7 +35,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from layers.kernels.triton.device import arrival_counters, pdl, wait_for_previous_kernel
-from layers.kernels.triton.linear import linear, row_tile_product, sum_slices, tiling
+from layers.kernels.triton.linear import MAX_ROWS, linear, row_tile_product, skinny_linear, sum_slices, tiling
 
 # libdevice calls only compile for a GPU; the interpreter (TRITON_INTERPRET=1) lacks them.
 _EXACT_EXP = os.environ.get("TRITON_INTERPRET") != "1"
@@ -252,11 +255,17 @@ def route_softmax_topk(x: torch.Tensor, router_weight: torch.Tensor, top_k: int)
 
 
 def _float32_logits(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
-    """x @ router_weight^T with float32 products and sums (NemotronH's float32 router weight:
-    x converted, one float32 GEMM); half-precision operands of one dtype on CUDA go into one
-    float32-output GEMM (the same exact products, without two cast kernels)."""
+    """x @ router_weight^T with float32 products and sums. Half-precision operands of one
+    dtype on CUDA: one float32-output GEMM (the same exact products, without two cast
+    kernels). NemotronH's float32 weight against a bfloat16 x: up to MAX_ROWS rows (a decode
+    step past one routing tile) the skinny kernel with float32 output, whose products of
+    the weight's bfloat16 pieces are exact (`row_tile_product`); else x converted and one
+    float32 GEMM."""
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and router_weight.dtype == x.dtype:
         return torch.mm(x, router_weight.t(), out_dtype=torch.float32)
+    if (x.dtype == torch.bfloat16 and router_weight.dtype == torch.float32 and x.shape[0] <= MAX_ROWS
+            and x.stride(1) == 1 and router_weight.stride(1) == 1):
+        return skinny_linear(x, router_weight, None, tiling(*router_weight.shape), out_dtype=torch.float32)
     return F.linear(x.float(), router_weight.float())
 
 
