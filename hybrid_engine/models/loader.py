@@ -251,7 +251,8 @@ def create_model(config: HybridConfig, device: torch.device, dtype: torch.dtype,
 
     Built directly on the target device with `dtype` as the default dtype (not meta +
     to_empty, whose first use imports sympy and costs seconds, nor a later `.to(dtype)`,
-    which would also cast the float32 buffers: RoPE frequencies, the router bias).
+    which would also cast what stays float32: RoPE frequencies, NemotronH's router weight
+    and bias).
     """
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

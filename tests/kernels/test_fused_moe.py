@@ -7,6 +7,7 @@ CUDA graphs and kernel counts need CUDA).
 """
 import pytest
 import torch
+import torch.nn.functional as F
 
 from layers.kernels import REFERENCE_OPS
 from layers.kernels import reference as ref
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.gpu
 RUNS_IN_TRITON_INTERPRETER = True  # conftest: TRITON_INTERPRET=1 runs these on the CPU
 
 from layers.kernels import fast  # noqa: E402
-from layers.kernels.triton import moe, moe_align, moe_routing  # noqa: E402
+from layers.kernels.triton import linear, moe, moe_align, moe_routing  # noqa: E402
 from layers.kernels.triton.device import arrival_counters  # noqa: E402
 from layers.mlp import SwiGLUMLP  # noqa: E402
 from layers.moe import GraniteMoE, NemotronHMoE  # noqa: E402
@@ -101,6 +102,42 @@ def test_sigmoid_router_reads_a_float32_weight_unrounded(tokens: int) -> None:
     assert torch.equal(i, ei) and (w - ew).abs().max().item() < 1e-6
 
 
+@needs_cuda  # bfloat16 x (the interpreter runs float16, which has no three-piece split)
+@pytest.mark.parametrize("tokens", [1, 16, 17, 32])
+def test_float32_router_logits_keep_every_bit_of_the_weight(tokens: int) -> None:
+    """A bfloat16 x against a float32 weight: each logit of a one-hot row is one weight value,
+    and the kernels' three bfloat16 pieces must add back to it exactly (dropping the low
+    piece loses its last 8 bits)."""
+    logits = randn(tokens, 128)
+    x, weight = exact_logits(logits, hidden=2688)
+    x = x.to(torch.bfloat16)
+    assert torch.equal(F.linear(x.float(), weight), logits)
+    tiles = linear.tiling(*weight.shape)
+    assert torch.equal(linear.skinny_linear(x, weight, None, tiles, out_dtype=torch.float32), logits)
+    assert torch.equal(moe_routing._float32_logits(x, weight), logits)
+
+
+def test_skinny_linear_refuses_a_float16_x_against_a_float32_weight() -> None:
+    """Its dots would round the float32 weight to tf32: only a bfloat16 x has the exact split."""
+    x, weight = randn(2, 256, dtype=torch.float16), randn(32, 256)
+    with pytest.raises(ValueError, match="torch.float32 weight takes a bfloat16 x"):
+        linear.skinny_linear(x, weight, None, linear.tiling(*weight.shape), out_dtype=torch.float32)
+
+
+@needs_cuda
+def test_fused_float32_router_decides_on_the_low_piece() -> None:
+    """Two experts whose logits differ only in the weight's low bfloat16 piece (2^-16 apart
+    at -12 - 2^-7): with the piece the router picks the larger, expert 2; without it they tie
+    and expert 0 would win the tie."""
+    logits = torch.full((1, 16), -30.0, device=DEVICE)
+    logits[0, 0] = -12 - 2 ** -7 - 2 ** -16
+    logits[0, 2] = -12 - 2 ** -7
+    x, weight = exact_logits(logits)
+    weights, ids = moe_routing.route_sigmoid_grouped(x.to(torch.bfloat16), weight, torch.zeros(16, device=DEVICE),
+                                                     1, 1, 1, False, 1.0)
+    assert ids.tolist() == [[2]]
+
+
 def assert_routes_the_top_k(ids: torch.Tensor, choice: torch.Tensor, tol: float) -> None:
     """Each row's ids are k distinct experts whose choice values are the row's k largest, up
     to `tol` (logits summed in another order may swap near-ties)."""
@@ -135,7 +172,7 @@ def test_routers_from_random_hidden_states(dtype: torch.dtype, tokens: int, rout
         scores = torch.sigmoid(logits)
         assert_routes_the_top_k(ids, scores + bias.double(), 1e-5)
         expected = scores.gather(1, ids) / scores.gather(1, ids).sum(1, keepdim=True) * 2.5
-    assert (weights.double() - expected).abs().max().item() < (1e-5 if router == "sigmoid" or dtype == torch.float32
+    assert (weights.double() - expected).abs().max().item() < (1e-5 if router != "softmax" or dtype == torch.float32
                                                                  else 1e-2)
     again = (moe_routing.route_softmax_topk(x, weight, top_k) if router == "softmax"
              else moe_routing.route_sigmoid_grouped(x, weight, bias, top_k, 1, 1, True, 2.5))

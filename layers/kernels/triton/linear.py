@@ -55,9 +55,9 @@ def row_tile_product(acc, x_ptr, w, rows, k, M, K, stride_xm, PRECISION: tl.cons
     ignore it).
 
     A bfloat16 x against a float32 weight (NemotronH's router) takes the weight as the sum
-    of three bfloat16 pieces (24 = 3 x 8 significand bits: exact down to bfloat16's
-    smallest normal numbers), each product exact in float32: three tensor-core dots in
-    place of a float32 one, which runs on the CUDA cores (3x slower router kernel, measured).
+    of three bfloat16 pieces (24 = 3 x 8 significand bits: exact while the low piece is a
+    normal number, |w| above about 2^-110), each product exact in float32: three tensor-core dots in
+    place of a float32 one, which runs on the CUDA cores (a 2.6x slower router kernel, measured).
     Any other mix converts x to w's dtype (exact for a half-precision x)."""
     x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
                 other=0.0)
@@ -255,11 +255,15 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   conv: ConvUpdate | None = None, relu_squared: bool = False,
                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The skinny kernel with the given tiles, for inputs `takes_kernel` accepts (benchmarks
-    and tests sweep tilings through it), with `conv`'s update of the conv columns if given,
-    and relu^2 of every output if `relu_squared`. The output is in `out_dtype` (default x's):
-    float32 keeps the float32 sums unrounded (NemotronH's router logits, against a float32
-    weight, `row_tile_product`)."""
+    and tests sweep tilings through it) and for a bfloat16 x against a float32 weight
+    (NemotronH's router: exact products, `row_tile_product`), with `conv`'s update of the
+    conv columns if given, and relu^2 of every output if `relu_squared`. The output is in
+    `out_dtype` (default x's): float32 keeps the float32 sums unrounded."""
     n, k = weight.shape
+    if weight.dtype != x.dtype and not (x.dtype == torch.bfloat16 and weight.dtype == torch.float32):
+        # (the kernel's dots are tf32 for float32 operands: an fp16 x would round the weight)
+        raise ValueError(f"skinny_linear: a {weight.dtype} weight takes a bfloat16 x or its own dtype, "
+                         f"not {x.dtype}")
     if x.numel() == 0 or (tiles.split > 1 and triton.cdiv(n, tiles.block_n) * tiles.split > MAX_SPLIT_PROGRAMS):
         raise ValueError(f"skinny_linear: no rows, or a split grid over {MAX_SPLIT_PROGRAMS} programs ({tiles})")
     rows = x.numel() // x.shape[-1]
