@@ -56,8 +56,9 @@ def row_tile_product(acc, x_ptr, w, rows, k, M, K, stride_xm, PRECISION: tl.cons
 
     A bfloat16 x against a float32 weight (NemotronH's router) takes the weight as the sum
     of three bfloat16 pieces (24 = 3 x 8 significand bits: exact while the low piece is a
-    normal number, |w| above about 2^-110), each product exact in float32: three tensor-core dots in
-    place of a float32 one, which runs on the CUDA cores (a 2.6x slower router kernel, measured).
+    normal number, |w| above about 2^-110), each product exact in float32: three
+    tensor-core dots in place of a float32 one, which runs on the CUDA cores (a 2.6x slower
+    router kernel, measured).
     Any other mix converts x to w's dtype (exact for a half-precision x)."""
     x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
                 other=0.0)
