@@ -53,7 +53,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_floors import StepFloors, copy_bandwidth, measure_distinct_experts, step_floors  # noqa: E402
 from step_kernels import report_kernel_counts  # noqa: E402
-from step_probe import StepProbe, percentile, probe_decode, random_prompts  # noqa: E402
+from step_probe import PROBE_TOKENS, StepProbe, percentile, probe_decode, random_prompts  # noqa: E402
 
 from hybrid_engine import LLM, SamplingParams  # noqa: E402
 from hybrid_engine.config import MAMBA_SSM_CACHE_DTYPES  # noqa: E402
@@ -169,7 +169,7 @@ def time_modes(args: argparse.Namespace, model: str, bandwidth: float) -> list[d
     for mode in args.modes:
         llm = LLM(model=model, load_format="dummy", dtype="bfloat16", max_num_seqs=max(args.batches),
                   max_num_batched_tokens=args.max_num_batched_tokens, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
-                  max_model_len=args.prompt_len + args.output_len + 64, **MODES[mode])
+                  max_model_len=args.prompt_len + max(args.output_len, PROBE_TOKENS) + 64, **MODES[mode])
         for batch in args.batches:
             sampling = dict(logprobs=args.logprobs, repetition_penalty=args.repetition_penalty)
             run_batch(llm, batch, args.prompt_len, 4, **sampling)  # warm-up: Triton compiles / autotunes per shape

@@ -130,11 +130,16 @@ class StepProbe:
                     **{f"host_{k}_us": 1e6 * v / steps for k, v in self.host.items()})
 
 
-def probe_decode(llm: LLM, batch: int, prompt_len: int, steps: int = 96) -> dict:
-    """GPU idle fraction and host time per phase over decode-only steps of `batch` requests
-    with distinct random prompts (identical greedy rows would all route to the same experts)."""
+PROBE_STEPS = 96
+PROBE_TOKENS = PROBE_STEPS + 16  # what each probed request may generate: the engine's max_model_len must fit it
+
+
+def probe_decode(llm: LLM, batch: int, prompt_len: int) -> dict:
+    """GPU idle fraction and host time per phase over PROBE_STEPS decode-only steps of
+    `batch` requests with distinct random prompts (identical greedy rows would all route to
+    the same experts); each request may generate PROBE_TOKENS tokens after its prompt."""
     engine = llm.engine
-    ids = start_decoding(engine, batch, prompt_len, "idle", max_tokens=steps + 16)
-    result = StepProbe(engine).run(steps)
+    ids = start_decoding(engine, batch, prompt_len, "idle", max_tokens=PROBE_TOKENS)
+    result = StepProbe(engine).run(PROBE_STEPS)
     finish(engine, ids)
     return result

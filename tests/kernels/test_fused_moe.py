@@ -102,8 +102,16 @@ def test_sigmoid_router_reads_a_float32_weight_unrounded(tokens: int) -> None:
     assert torch.equal(i, ei) and (w - ew).abs().max().item() < 1e-6
 
 
+def added_in_order(addends: torch.Tensor) -> torch.Tensor:
+    """[T, A, E] addends summed over A in order, as the routing kernel adds them."""
+    total = addends[:, 0]
+    for a in range(1, addends.shape[1]):
+        total = total + addends[:, a]
+    return total
+
+
 @needs_cuda  # bfloat16 x (the interpreter runs float16, which has no three-piece split)
-@pytest.mark.parametrize("tokens", [1, 16, 17, 32])
+@pytest.mark.parametrize("tokens", [1, 16, 17, 32, 33, 300])  # skinny kernel up to 32 rows, then the pieces' GEMM
 def test_float32_router_logits_keep_every_bit_of_the_weight(tokens: int) -> None:
     """A bfloat16 x against a float32 weight: each logit of a one-hot row is one weight value,
     and the kernels' three bfloat16 pieces must add back to it exactly (dropping the low
@@ -112,9 +120,20 @@ def test_float32_router_logits_keep_every_bit_of_the_weight(tokens: int) -> None
     x, weight = exact_logits(logits, hidden=2688)
     x = x.to(torch.bfloat16)
     assert torch.equal(F.linear(x.float(), weight), logits)
-    tiles = linear.tiling(*weight.shape)
-    assert torch.equal(linear.skinny_linear(x, weight, None, tiles, out_dtype=torch.float32), logits)
-    assert torch.equal(moe_routing._float32_logits(x, weight), logits)
+    if tokens <= linear.MAX_ROWS:
+        tiles = linear.tiling(*weight.shape)
+        assert torch.equal(linear.skinny_linear(x, weight, None, tiles, out_dtype=torch.float32), logits)
+    assert torch.equal(added_in_order(moe_routing._float32_logits(x, weight)), logits)
+
+
+@needs_cuda
+def test_bfloat16_pieces_add_back_to_the_weight() -> None:
+    """high + middle + low, added in that order, is the float32 weight bit for bit, and each
+    piece is needed (weights spread over many binades, both signs)."""
+    weight = randn(128, 2688) * torch.exp2(torch.randint(-60, 60, (128, 2688), device=DEVICE).float())
+    high, middle, low = linear.split_bfloat16_pieces(weight).float().chunk(3)
+    assert torch.equal(high + middle + low, weight)
+    assert not torch.equal(high + middle, weight) and not torch.equal(high, weight)
 
 
 def test_skinny_linear_refuses_a_float16_x_against_a_float32_weight() -> None:

@@ -49,24 +49,55 @@ class Tiling:
 
 
 @triton.jit
+def bfloat16_pieces(w):
+    """A float32 tile as three bfloat16 pieces, high + middle + low == w (24 = 3 x 8
+    significand bits: exact while the low piece is a normal number, |w| above about
+    2^-110); high + middle is exact in float32 too, so adding them in that order rebuilds w."""
+    high = w.to(tl.bfloat16)
+    rest = w - high.to(tl.float32)  # exact: what rounding to bfloat16 dropped
+    middle = rest.to(tl.bfloat16)
+    return high, middle, (rest - middle.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _bfloat16_pieces_kernel(w_ptr, pieces_ptr, numel, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    high, middle, low = bfloat16_pieces(tl.load(w_ptr + offs, mask=mask, other=0.0))
+    tl.store(pieces_ptr + offs, high, mask=mask)
+    tl.store(pieces_ptr + numel + offs, middle, mask=mask)
+    tl.store(pieces_ptr + 2 * numel + offs, low, mask=mask)
+
+
+def split_bfloat16_pieces(weight: torch.Tensor) -> torch.Tensor:
+    """A contiguous float32 [N, K] weight as its three bfloat16 pieces stacked along N
+    ([3N, K]: high, middle, low rows), so that one bfloat16 GEMM with float32 output
+    against x gives the three exact partial products of x @ weight^T (`bfloat16_pieces`)."""
+    if weight.dtype != torch.float32 or not weight.is_contiguous():
+        raise ValueError(f"split_bfloat16_pieces takes a contiguous float32 weight, got {weight.dtype}")
+    pieces = torch.empty((3 * weight.shape[0], weight.shape[1]), dtype=torch.bfloat16, device=weight.device)
+    block = 1024
+    _bfloat16_pieces_kernel[(triton.cdiv(weight.numel(), block),)](weight, pieces, weight.numel(), BLOCK=block,
+                                                                     **pdl(weight))
+    return pieces
+
+
+@triton.jit
 def row_tile_product(acc, x_ptr, w, rows, k, M, K, stride_xm, PRECISION: tl.constexpr):
     """acc + x[rows, k] @ w^T for a [BLOCK_N, BLOCK_K] weight tile (rows past M and columns
     past K read as zeros); PRECISION is tl.dot's for float32 inputs (half-precision ones
     ignore it).
 
     A bfloat16 x against a float32 weight (NemotronH's router) takes the weight as the sum
-    of three bfloat16 pieces (24 = 3 x 8 significand bits: exact while the low piece is a
-    normal number, |w| above about 2^-110), each product exact in float32: three
+    of its three bfloat16 pieces (`bfloat16_pieces`), each product exact in float32: three
     tensor-core dots in place of a float32 one, which runs on the CUDA cores (a 2.6x slower
     router kernel, measured).
     Any other mix converts x to w's dtype (exact for a half-precision x)."""
     x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
                 other=0.0)
     if x.dtype == tl.bfloat16 and w.dtype == tl.float32:
-        high = w.to(tl.bfloat16)
-        rest = w - high.to(tl.float32)  # exact: what rounding to bfloat16 dropped
-        middle = rest.to(tl.bfloat16)
-        low = (rest - middle.to(tl.float32)).to(tl.bfloat16)
+        high, middle, low = bfloat16_pieces(w)
         acc = tl.dot(x, tl.trans(high), acc)
         acc = tl.dot(x, tl.trans(middle), acc)
         return tl.dot(x, tl.trans(low), acc)

@@ -11,7 +11,7 @@ store float32 partial sums, and the last program to arrive (an arrival counter, 
 that program) adds them in slice order and routes every row. The order is fixed, so the
 result is deterministic. That replaces cuBLAS's float32-output GEMM and its split-K reduce,
 which are not programmatic dependent launches. More rows get their logits from a separate
-kernel (`_float32_logits`), then the routing kernel. NemotronH's router weight is float32 (as
+GEMM (`_float32_logits`), then the routing kernel. NemotronH's router weight is float32 (as
 in transformers) in a half-precision model: against a bfloat16 x the kernels multiply its
 three bfloat16 pieces on the tensor cores, exactly (`linear.row_tile_product`). Granite's
 logits come from `linear` (the skinny kernel at decode, already a dependent launch), then
@@ -35,7 +35,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from layers.kernels.triton.device import arrival_counters, pdl, wait_for_previous_kernel
-from layers.kernels.triton.linear import MAX_ROWS, linear, row_tile_product, skinny_linear, sum_slices, tiling
+from layers.kernels.triton.linear import (MAX_ROWS, linear, row_tile_product, skinny_linear, split_bfloat16_pieces,
+                                          sum_slices, tiling)
 
 # libdevice calls only compile for a GPU; the interpreter (TRITON_INTERPRET=1) lacks them.
 _EXACT_EXP = os.environ.get("TRITON_INTERPRET") != "1"
@@ -66,14 +67,19 @@ def _top_k(choice, payload, cols, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOC
 
 
 @triton.jit
-def _load_logits(logits_ptr, num_tokens, num_experts, stride_t, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
-    """This program's tile of logits in float32 (0 outside the tokens and experts)."""
+def _load_logits(logits_ptr, num_tokens, num_experts, stride_t, stride_addend, ADDENDS: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """This program's tile of logits in float32 (0 outside the tokens and experts): the sum
+    of ADDENDS tiles `stride_addend` apart, added in order."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     r_in = rows < num_tokens
     c_in = cols < num_experts
-    logits = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :],
-                     mask=r_in[:, None] & c_in[None, :], other=0.0).to(tl.float32)
+    ptrs = logits_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :]
+    mask = r_in[:, None] & c_in[None, :]
+    logits = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    for a in tl.static_range(1, ADDENDS):
+        logits += tl.load(ptrs + a * stride_addend, mask=mask, other=0.0).to(tl.float32)
     return rows, r_in, cols, c_in, logits
 
 
@@ -147,13 +153,14 @@ def _route(logits, bias_ptr, weights_ptr, ids_ptr, rows, r_in, c_in, cols, scali
 
 @triton.jit(do_not_specialize=["num_tokens"])  # per-step size: no recompiles
 def _route_kernel(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_t, scaling, SIGMOID: tl.constexpr,
-    EXACT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, N_GROUP: tl.constexpr, G_PAD: tl.constexpr,
-    TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_E: tl.constexpr, PDL: tl.constexpr,
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_t, stride_addend, scaling,
+    SIGMOID: tl.constexpr, EXACT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, N_GROUP: tl.constexpr,
+    G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, NORM: tl.constexpr,
+    ADDENDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
-    rows, r_in, cols, c_in, logits = _load_logits(logits_ptr, num_tokens, num_experts, stride_t, BLOCK_T, BLOCK_E)
+    rows, r_in, cols, c_in, logits = _load_logits(logits_ptr, num_tokens, num_experts, stride_t, stride_addend,
+                                                  ADDENDS, BLOCK_T, BLOCK_E)
     _route(logits, bias_ptr, weights_ptr, ids_ptr, rows, r_in, c_in, cols, scaling, SIGMOID, EXACT, TOP_K, K_PAD,
            N_GROUP, G_PAD, TOPK_GROUP, GROUP_SIZE, NORM, BLOCK_E)
 
@@ -222,13 +229,16 @@ def _check_router(x: torch.Tensor, router_weight: torch.Tensor, top_k: int) -> t
 
 def _route_logits(logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, bias: torch.Tensor,
                   **params) -> None:
-    """The routing kernel over [T, E] logits (T > 0), into weights / ids."""
-    num_tokens, num_experts = logits.shape
-    logits = logits if logits.stride(1) == 1 else logits.contiguous()
+    """The routing kernel over [T, E] logits (T > 0), or [T, A, E] addends of them (added
+    in order), into weights / ids."""
+    addends = logits if logits.dim() == 3 else logits.unsqueeze(1)
+    if addends.stride(2) != 1:
+        addends = addends.contiguous()
+    num_tokens, count, num_experts = addends.shape
     block_t = routing_rows(num_experts)
     _route_kernel[(triton.cdiv(num_tokens, block_t),)](
-        logits, bias, weights, ids, num_tokens, num_experts, logits.stride(0), **params, BLOCK_T=block_t,
-        num_warps=4, **pdl(logits))
+        addends, bias, weights, ids, num_tokens, num_experts, addends.stride(0), addends.stride(1), **params,
+        ADDENDS=count, BLOCK_T=block_t, num_warps=4, **pdl(addends))
 
 
 def _routing_constants(num_experts: int, top_k: int) -> dict:
@@ -255,18 +265,27 @@ def route_softmax_topk(x: torch.Tensor, router_weight: torch.Tensor, top_k: int)
 
 
 def _float32_logits(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
-    """x @ router_weight^T with float32 products and sums. Half-precision operands of one
-    dtype on CUDA: one float32-output GEMM (the same exact products, without two cast
-    kernels). NemotronH's float32 weight against a bfloat16 x: up to MAX_ROWS rows (a decode
-    step past one routing tile) the skinny kernel with float32 output, whose products of
-    the weight's bfloat16 pieces are exact (`row_tile_product`); else x converted and one
-    float32 GEMM."""
+    """x @ router_weight^T with float32 products and sums, as [T, A, E]: A addends that,
+    added in order, are the logits (what `_route_logits` takes).
+
+    Half-precision operands of one dtype on CUDA: one float32-output GEMM (the same exact
+    products, without two cast kernels). NemotronH's float32 weight against a bfloat16 x:
+    up to MAX_ROWS rows (a decode step past one routing tile) the skinny kernel with float32
+    output, whose products of the weight's bfloat16 pieces are exact (`row_tile_product`);
+    more rows (a prompt step) one float32-output bfloat16 GEMM against the three pieces
+    stacked (`split_bfloat16_pieces`), whose three addends the routing kernel adds: tensor
+    cores, where x converted and a float32 GEMM ran on the CUDA cores (nano's router at
+    8,192 rows, H200: docs/benchmarks.md). Otherwise (CPU, float16 against float32) x
+    converted and one float32 GEMM."""
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and router_weight.dtype == x.dtype:
-        return torch.mm(x, router_weight.t(), out_dtype=torch.float32)
-    if (x.dtype == torch.bfloat16 and router_weight.dtype == torch.float32 and x.shape[0] <= MAX_ROWS
-            and x.stride(1) == 1 and router_weight.stride(1) == 1):
-        return skinny_linear(x, router_weight, None, tiling(*router_weight.shape), out_dtype=torch.float32)
-    return F.linear(x.float(), router_weight.float())
+        return torch.mm(x, router_weight.t(), out_dtype=torch.float32).unsqueeze(1)
+    if x.is_cuda and x.dtype == torch.bfloat16 and router_weight.dtype == torch.float32:
+        if x.shape[0] <= MAX_ROWS and x.stride(1) == 1 and router_weight.stride(1) == 1:
+            logits = skinny_linear(x, router_weight, None, tiling(*router_weight.shape), out_dtype=torch.float32)
+            return logits.unsqueeze(1)
+        pieces = split_bfloat16_pieces(router_weight.contiguous())
+        return torch.mm(x, pieces.t(), out_dtype=torch.float32).view(x.shape[0], 3, router_weight.shape[0])
+    return F.linear(x.float(), router_weight.float()).unsqueeze(1)
 
 
 def _takes_gemm_route_kernel(x: torch.Tensor, router_weight: torch.Tensor) -> bool:
