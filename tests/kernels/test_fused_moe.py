@@ -290,6 +290,38 @@ def test_moe_experts_all_tokens_on_the_same_experts(dtype: torch.dtype, tokens: 
                  ref.moe_experts(*args[:5], activation, *args[5:]), TOL[dtype])
 
 
+def assert_one_token_alone_is_its_row_in_the_batch(args: tuple, activation: str) -> None:
+    """Each token alone (the two-kernel path: no alignment, the combine in the down GEMM)
+    gives bit for bit its row of the whole batch (the four-kernel path), and the arrival
+    counters are left at zero."""
+    x, w_up, w_down, weights, ids, shared_up, shared_down = args
+    batch = moe.moe_experts(*args[:5], activation, *args[5:])
+    for t in range(x.shape[0]):
+        alone = moe.moe_experts(x[t:t + 1], w_up, w_down, weights[t:t + 1], ids[t:t + 1], activation, shared_up,
+                                shared_down)
+        assert torch.equal(alone, batch[t:t + 1]), t
+    assert not arrival_counters(x.device).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["relu2", "swiglu"])
+@pytest.mark.parametrize("shared", [None, 136])
+def test_moe_experts_one_token_alone_equals_its_row_among_others(dtype: torch.dtype, activation: str,
+                                                                shared: int | None) -> None:
+    """A request's expert outputs do not depend on whether it decodes alone."""
+    assert_one_token_alone_is_its_row_in_the_batch(_moe_case(5, activation, dtype, shared), activation)
+
+
+@needs_cuda
+@pytest.mark.parametrize("preset", ["granite-4.0-h-tiny", "nemotron-3-nano-30b-a3b"])
+def test_moe_experts_one_token_alone_equals_its_row_at_preset_shapes(preset: str) -> None:
+    """The same at the presets' shapes, where one token's column tiles are narrower than
+    three tokens' (`moe_tiles` keeps every SM busy): the products do not change with them."""
+    experts, top_k, hidden, inter, shared, activation = PRESET_SHAPES[preset]
+    args = _moe_case(3, activation, torch.bfloat16, shared, experts=experts, top_k=top_k, hidden=hidden, inter=inter)
+    assert_one_token_alone_is_its_row_in_the_batch(args, activation)
+
+
 def test_moe_experts_is_deterministic_and_handles_no_tokens() -> None:
     args = _moe_case(64, "swiglu", LOW, 192, experts=16, top_k=6)
     first = moe.moe_experts(*args[:5], "swiglu", *args[5:])
@@ -399,7 +431,8 @@ def test_moe_layer_captures_in_cuda_graph(layer: str) -> None:
 def test_moe_layer_kernel_count(layer: str, tokens: int) -> None:
     """A MoE layer with its shared expert launches at most 8 kernels (issue 14's target):
     router GEMM, router, alignment, up GEMM, down GEMM, combine; NemotronH's router GEMM and
-    routing are one kernel for a decode step's few rows."""
+    routing are one kernel for a decode step's few rows, and one token needs neither the
+    alignment nor the combine kernel."""
     fast_layer, _, extra = _layers(torch.bfloat16)[layer]
     x = randn(tokens, 128, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -409,7 +442,9 @@ def test_moe_layer_kernel_count(layer: str, tokens: int) -> None:
             fast_layer(x, *extra)
             torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    if layer == "nemotron" and tokens == 1:
-        assert len(kernels) == 5 and "_gemm_route_kernel" in kernels[0], kernels
+    if tokens == 1:
+        router = ["_gemm_route_kernel"] if layer == "nemotron" else ["", "_route_kernel"]  # granite: linear, routing
+        assert len(kernels) == len(router) + 2 and all(name in k for name, k in zip(router, kernels)), kernels
+        assert all("_moe_gemm_kernel" in k for k in kernels[len(router):]), kernels
     else:
         assert 6 <= len(kernels) <= 8, kernels

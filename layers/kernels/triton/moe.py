@@ -1,4 +1,4 @@
-"""Fused MoE experts: alignment, two grouped GEMMs and a combine, four kernels in all.
+"""Fused MoE experts: alignment, two grouped GEMMs and a combine, four kernels in all (two at one token).
 
 1. `align_pairs` (moe_align.py) sorts the T x slots (token, slot) pairs into per-expert row
    segments padded to the row tile BLOCK_M. A token's slots are its k routed choices, then
@@ -9,14 +9,21 @@
    the last real one exit at once.
 3. Down GEMM: the same over the activations, each row written to its (token, slot) place.
 4. Combine: per token, the k routed rows times their weights plus the shared rows, summed in
-   slot order in float32 (deterministic; no atomics anywhere).
+   slot order in float32 (deterministic; no atomic adds anywhere).
+
+One token (batch-1 decode, where every kernel boundary costs a few microseconds) takes two
+kernels: its pairs are already one per block (the aligned layout of one token has the same
+blocks, in expert order), so the GEMMs read the expert of block b from the routes and skip
+alignment; and the down GEMM's last program to finish a column tile (an arrival counter
+per tile, as in the split-K projections) combines that tile in slot order, as the combine
+kernel does. The same products and sums as the four-kernel path, bit for bit.
 
 The shared expert (same activation, no biases) runs inside the same kernels: its
 intermediate width S is cut into cdiv(S, I) chunks of the routed width I, pseudo-experts
 E, E+1, ... with weight 1 that every token visits (for relu2 and SwiGLU the chunks' down
 projections add up to the whole MLP's). So a MoE layer with a shared expert costs the
 router op (`moe_routing.py`: one or two kernels, or three with cuBLAS's split-K reduce) and
-these four kernels.
+these four kernels (two at one token).
 
 Numerics follow the reference: float32 accumulation, each projection rounded to x's dtype
 before the activation, the down projection rounded to x's dtype before it is weighted,
@@ -29,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from layers.kernels.triton.device import pdl, sm_count, wait_for_previous_kernel
-from layers.kernels.triton.moe_align import ExpertRows, align_pairs, max_row_blocks
+from layers.kernels.triton.device import MAX_ARRIVAL_COUNTERS, arrival_counters, pdl, sm_count, wait_for_previous_kernel
+from layers.kernels.triton.moe_align import ExpertRows, align_pairs, max_row_blocks, pair_experts
 
 _ACTIVATIONS = {"relu2": 1, "swiglu": 2}
 
@@ -86,23 +93,47 @@ def moe_tiles(num_pairs: int, num_experts: int, n_up: int, n_down: int, dtype: t
 
 
 @triton.jit
+def _combined_row(y_ptr, weights_ptr, t, cols, c_in, stride_y, TOP_K: tl.constexpr, SLOTS: tl.constexpr):
+    """Token t's output at `cols`: sum_s w[t, s] * y[t * SLOTS + s] in slot order (shared
+    slots: weight 1), in float32. y is read from L2 (other programs may have just written it)."""
+    acc = tl.zeros(cols.shape, dtype=tl.float32)
+    for s in tl.static_range(SLOTS):
+        v = tl.load(y_ptr + (t * SLOTS + s) * stride_y + cols, mask=c_in, other=0.0, cache_modifier=".cg")
+        v = v.to(tl.float32)
+        if s < TOP_K:
+            v = v * tl.load(weights_ptr + t * TOP_K + s).to(tl.float32)
+        acc += v
+    return acc
+
+
+@triton.jit
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, ws_ptr, out_ptr, pairs_ptr, block_expert_ptr, expert_end_ptr,
-    n_dim, k_dim, num_routed, shared_width, stride_am, stride_om, stride_we, stride_wn, stride_sn,
+    a_ptr, w_ptr, ws_ptr, out_ptr, pairs_ptr, block_expert_ptr, expert_end_ptr, ids_ptr, weights_ptr, final_ptr,
+    arrivals_ptr, n_dim, k_dim, num_routed, shared_width, stride_am, stride_om, stride_we, stride_wn, stride_sn,
     shared_step, routed_half, shared_half,
-    SLOTS: tl.constexpr, UP: tl.constexpr, ACT: tl.constexpr, PRECISION: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
+    TOP_K: tl.constexpr, SLOTS: tl.constexpr, UP: tl.constexpr, ACT: tl.constexpr, PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr, COMBINE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     # One (row block of one expert, column block). UP: out[row] = act(x[token(row)] @ W_e^T),
     # rows in sorted order. Down: out[pair(row)] = h[row] @ W_e^T, rows in pair order.
     block = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + block)
-    if expert < 0:
-        return  # blocks past the last real one (the grid is a static bound)
-    rows = block * BM + tl.arange(0, BM)
-    r_in = rows < tl.load(expert_end_ptr + expert)
-    pairs = tl.load(pairs_ptr + rows, mask=r_in, other=0)
+    lanes = tl.arange(0, BM)
+    rows = block * BM + lanes
+    if DIRECT:
+        # One token: block b holds the token's pair b alone, found from the routes without
+        # an alignment kernel. The aligned layout of one token has the same blocks in expert
+        # order, so every product is the same.
+        expert = pair_experts(ids_ptr, block, True, num_routed, TOP_K, SLOTS)
+        r_in = lanes == 0
+        pairs = block + lanes * 0
+    else:
+        expert = tl.load(block_expert_ptr + block)
+        if expert < 0:
+            return  # blocks past the last real one (the grid is a static bound)
+        r_in = rows < tl.load(expert_end_ptr + expert)
+        pairs = tl.load(pairs_ptr + rows, mask=r_in, other=0)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     # Shared chunk j covers intermediate columns [j*I, min((j+1)*I, S)): the up GEMM's
     # output columns, the down GEMM's K columns.
@@ -142,22 +173,25 @@ def _moe_gemm_kernel(
     out_rows = rows if UP else pairs
     tl.store(out_ptr + out_rows.to(tl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=r_in[:, None] & c_in[None, :])
+    if COMBINE:
+        # One token's down GEMM: the last of the column tile's SLOTS programs to arrive (an
+        # arrival counter per column tile, reset by that program) combines the tile, as the
+        # combine kernel would.
+        tl.debug_barrier()  # every thread's rows are stored before the arrival releases them
+        if tl.atomic_add(arrivals_ptr + tl.program_id(1), 1, sem="acq_rel") == SLOTS - 1:
+            combined = _combined_row(out_ptr, weights_ptr, 0, cols, c_in, stride_om, TOP_K, SLOTS)
+            tl.store(final_ptr + cols, combined.to(final_ptr.dtype.element_ty), mask=c_in)
+            tl.atomic_xchg(arrivals_ptr + tl.program_id(1), 0)  # ready for the next call
 
 
 @triton.jit
 def _combine_kernel(y_ptr, weights_ptr, out_ptr, n_dim, stride_y, stride_o,
                     TOP_K: tl.constexpr, SLOTS: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
-    # out[t] = sum_s w[t, s] * y[t * SLOTS + s] in slot order (shared slots: weight 1), float32.
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     c_in = cols < n_dim
-    acc = tl.zeros((BN,), dtype=tl.float32)
-    for s in tl.static_range(SLOTS):
-        v = tl.load(y_ptr + (t * SLOTS + s) * stride_y + cols, mask=c_in, other=0.0).to(tl.float32)
-        if s < TOP_K:
-            v = v * tl.load(weights_ptr + t * TOP_K + s).to(tl.float32)
-        acc += v
+    acc = _combined_row(y_ptr, weights_ptr, t, cols, c_in, stride_y, TOP_K, SLOTS)
     tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=c_in)
 
 
@@ -174,16 +208,24 @@ class _Weights:
     shared_half: int
 
 
-def _gemm(a: torch.Tensor, weights: _Weights, out: torch.Tensor, rows: ExpertRows, tile: tuple[int, int],
-          tiles: MoeTiles, up: bool, act: int, num_routed: int, shared_width: int, slots: int) -> None:
+def _gemm(a: torch.Tensor, weights: _Weights, out: torch.Tensor, rows: ExpertRows | None, topk_ids: torch.Tensor,
+          tile: tuple[int, int], tiles: MoeTiles, up: bool, act: int, num_routed: int, shared_width: int, slots: int,
+          combine: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """One grouped GEMM. `rows` None: one token, whose pairs are the blocks (no alignment).
+    `combine` (the routes' weights, the output): the down GEMM of one token combines too."""
     block_n, block_k = tile
     n_dim = out.shape[1]
-    _moe_gemm_kernel[(rows.max_blocks, triton.cdiv(n_dim, block_n))](
-        a, weights.routed, weights.shared, out, rows.pairs, rows.block_expert, rows.expert_end,
+    # Arguments a mode does not read get topk_ids as a placeholder pointer.
+    aligned = (topk_ids,) * 3 if rows is None else (rows.pairs, rows.block_expert, rows.expert_end)
+    topk_weights, final = (topk_ids, topk_ids) if combine is None else combine
+    arrivals = topk_ids if combine is None else arrival_counters(a.device)
+    _moe_gemm_kernel[(slots if rows is None else rows.max_blocks, triton.cdiv(n_dim, block_n))](
+        a, weights.routed, weights.shared, out, *aligned, topk_ids, topk_weights, final, arrivals,
         n_dim, a.shape[1], num_routed, shared_width, a.stride(0), out.stride(0), weights.routed.stride(0),
         weights.routed.stride(1), weights.stride_sn, weights.shared_step, weights.routed_half, weights.shared_half,
-        SLOTS=slots, UP=up, ACT=act, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        BM=rows.block_m, BN=block_n, BK=block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl(a),
+        TOP_K=topk_ids.shape[1], SLOTS=slots, UP=up, ACT=act, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        DIRECT=rows is None, COMBINE=combine is not None, BM=tiles.block_m, BN=block_n, BK=block_k,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl(a),
     )
 
 
@@ -220,8 +262,9 @@ def moe_experts(
 
     x: [T, H]; w_up: [E, I or 2I (swiglu: gate then up), H]; w_down: [E, H, I];
     topk_weights / topk_ids: [T, k]; shared_up: [S or 2S, H]; shared_down: [H, S].
-    Four kernels, no host sync, shapes depend only on T, k, E (CUDA-graph capturable);
-    experts without tokens are not read.
+    Four kernels (two at one token: no alignment, the combine in the down GEMM), no host
+    sync, shapes depend only on T, k, E (CUDA-graph capturable); experts without tokens are
+    not read.
     """
     if activation not in _ACTIVATIONS:
         raise ValueError(f"unsupported expert activation: {activation!r}")
@@ -238,7 +281,13 @@ def moe_experts(
     top_k = topk_ids.shape[1]
     slots = top_k + chunks
     tiles = moe_tiles(num_tokens * slots, num_experts + chunks, inter, hidden, x.dtype, sm_count(x.device))
-    rows = align_pairs(topk_ids, num_experts, chunks, tiles.block_m)
+    topk_ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
+    # One token (batch-1 decode) skips the alignment kernel, and its down GEMM combines
+    # when each column tile has an arrival counter: two kernels fewer.
+    rows = None if num_tokens == 1 else align_pairs(topk_ids, num_experts, chunks, tiles.block_m)
+    blocks = slots if rows is None else rows.max_blocks
+    combine_in_down = rows is None and triton.cdiv(hidden, tiles.down[0]) <= MAX_ARRIVAL_COUNTERS
 
     if shared_up is None:
         up_w = _Weights(w_up, w_up, w_up.stride(1), 0, inter * w_up.stride(1), 0)
@@ -247,13 +296,15 @@ def moe_experts(
         up_w = _Weights(w_up, shared_up, shared_up.stride(0), inter * shared_up.stride(0), inter * w_up.stride(1),
                         shared_width * shared_up.stride(0))
         down_w = _Weights(w_down, shared_down, shared_down.stride(0), inter, 0, 0)
-    h = torch.empty((rows.pairs.shape[0], inter), dtype=x.dtype, device=x.device)
-    _gemm(x, up_w, h, rows, tiles.up, tiles, True, act, num_experts, shared_width, slots)
+    h = torch.empty((blocks * tiles.block_m, inter), dtype=x.dtype, device=x.device)
+    _gemm(x, up_w, h, rows, topk_ids, tiles.up, tiles, True, act, num_experts, shared_width, slots)
     y = torch.empty((num_tokens * slots, hidden), dtype=x.dtype, device=x.device)
-    _gemm(h, down_w, y, rows, tiles.down, tiles, False, 0, num_experts, shared_width, slots)
+    _gemm(h, down_w, y, rows, topk_ids, tiles.down, tiles, False, 0, num_experts, shared_width, slots,
+          combine=(weights, out) if combine_in_down else None)
+    if combine_in_down:
+        return out
 
     block_n = min(1024, triton.next_power_of_2(hidden))
-    weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
         y, weights, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, SLOTS=slots, BN=block_n, num_warps=4,
         **pdl(y))

@@ -63,7 +63,7 @@ def max_row_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def _pair_experts(ids_ptr, p, mask, num_routed, TOP_K: tl.constexpr, SLOTS: tl.constexpr):
+def pair_experts(ids_ptr, p, mask, num_routed, TOP_K: tl.constexpr, SLOTS: tl.constexpr):
     """Expert of each pair p: the routed id for slots < TOP_K, else the shared chunk."""
     t = p // SLOTS
     s = p % SLOTS
@@ -91,7 +91,7 @@ def _align_kernel(
     for p0 in range(0, num_pairs, COUNT_BLOCK):
         p = p0 + tl.arange(0, COUNT_BLOCK)
         valid = p < num_pairs
-        e = _pair_experts(ids_ptr, p, valid, num_routed, TOP_K, SLOTS)
+        e = pair_experts(ids_ptr, p, valid, num_routed, TOP_K, SLOTS)
         counts += tl.histogram(e, NB, mask=valid)
         if p0 < chunk_start:
             before += tl.histogram(e, NB, mask=valid & (p < chunk_start))
@@ -113,7 +113,7 @@ def _align_kernel(
     for p0 in range(chunk_start, tl.minimum(chunk_start + CHUNK, num_pairs), SUB):
         p = p0 + lanes
         valid = p < num_pairs
-        e = _pair_experts(ids_ptr, p, valid, num_routed, TOP_K, SLOTS)
+        e = pair_experts(ids_ptr, p, valid, num_routed, TOP_K, SLOTS)
         earlier = (e[None, :] == e[:, None]) & (lanes[None, :] < lanes[:, None]) & valid[None, :]
         row = tl.gather(running, e, 0) + tl.sum(earlier.to(tl.int32), axis=1)
         tl.store(pairs_ptr + row, p, mask=valid)
