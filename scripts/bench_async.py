@@ -12,8 +12,8 @@ import json
 
 import torch
 
-from bench_decode import peer_model_dir, probe_decode, run_batch
-from step_probe import PROBE_TOKENS
+from bench_decode import peer_model_dir, run_batch
+from step_probe import PROBE_TOKENS, probe_decode
 from hybrid_engine import LLM
 
 
@@ -68,7 +68,8 @@ def main() -> None:
     results = {}
     for async_scheduling in (False, True):
         llm = LLM(model=model, load_format="dummy", dtype="bfloat16", max_num_seqs=max(args.batches),
-                  max_model_len=args.prompt_len + max(args.output_len, PROBE_TOKENS) + 64, async_scheduling=async_scheduling)
+                  max_model_len=args.prompt_len + max(args.output_len, PROBE_TOKENS) + 64,
+                  async_scheduling=async_scheduling)
         for batch in args.batches:
             run_batch(llm, batch, args.prompt_len, 4)
             r = run_batch(llm, batch, args.prompt_len, args.output_len)

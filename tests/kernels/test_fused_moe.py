@@ -126,7 +126,6 @@ def test_float32_router_logits_keep_every_bit_of_the_weight(tokens: int) -> None
     assert torch.equal(added_in_order(moe_routing._float32_logits(x, weight)), logits)
 
 
-@needs_cuda
 def test_bfloat16_pieces_add_back_to_the_weight() -> None:
     """high + middle + low, added in that order, is the float32 weight bit for bit, and each
     piece is needed (weights spread over many binades, both signs)."""
@@ -305,11 +304,22 @@ def assert_one_token_alone_is_its_row_in_the_batch(args: tuple, activation: str)
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", ["relu2", "swiglu"])
-@pytest.mark.parametrize("shared", [None, 136])
+# shared width (136: a ragged last chunk), top-k, hidden size (100, 200: ragged column tiles)
+@pytest.mark.parametrize("shared, top_k, hidden", [(None, 2, 128), (136, 2, 128), (None, 1, 100), (96, 1, 200)])
 def test_moe_experts_one_token_alone_equals_its_row_among_others(dtype: torch.dtype, activation: str,
-                                                                shared: int | None) -> None:
+                                                                shared: int | None, top_k: int, hidden: int) -> None:
     """A request's expert outputs do not depend on whether it decodes alone."""
-    assert_one_token_alone_is_its_row_in_the_batch(_moe_case(5, activation, dtype, shared), activation)
+    args = _moe_case(5, activation, dtype, shared, top_k=top_k, hidden=hidden)
+    assert_one_token_alone_is_its_row_in_the_batch(args, activation)
+
+
+def test_moe_experts_one_token_without_enough_arrival_counters_keeps_the_combine_kernel(monkeypatch) -> None:
+    """A hidden size with more column tiles than arrival counters: the down GEMM leaves the
+    combine to the combine kernel, with the same result bit for bit."""
+    args = _moe_case(1, "swiglu", LOW, 136)
+    in_down_gemm = moe.moe_experts(*args[:5], "swiglu", *args[5:])
+    monkeypatch.setattr(moe, "MAX_ARRIVAL_COUNTERS", 1)
+    assert torch.equal(moe.moe_experts(*args[:5], "swiglu", *args[5:]), in_down_gemm)
 
 
 @needs_cuda
@@ -404,11 +414,13 @@ def test_moe_layers_fast_vs_reference(dtype: torch.dtype, layer: str, tokens: in
 
 @needs_cuda
 @pytest.mark.parametrize("layer", ["nemotron", "granite_shared"])
-def test_moe_layer_captures_in_cuda_graph(layer: str) -> None:
+@pytest.mark.parametrize("tokens", [1, 6])  # one token: no alignment, the combine in the down GEMM
+def test_moe_layer_captures_in_cuda_graph(layer: str, tokens: int) -> None:
     """One MoE layer (router GEMM, router, alignment, GEMMs, combine) captured once and
-    replayed on new inputs: no host sync, no data-dependent shapes."""
+    replayed on new inputs: no host sync, no data-dependent shapes, arrival counters left
+    at zero."""
     fast_layer, reference, extra = _layers(torch.bfloat16)[layer]
-    x = randn(6, 128, dtype=torch.bfloat16)
+    x = randn(tokens, 128, dtype=torch.bfloat16)
     with torch.no_grad():
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -419,10 +431,11 @@ def test_moe_layer_captures_in_cuda_graph(layer: str) -> None:
         with torch.cuda.graph(graph):
             out = fast_layer(x, *extra)
         for _ in range(3):  # new tokens route to new experts each time
-            x.copy_(randn(6, 128, dtype=torch.bfloat16))
+            x.copy_(randn(tokens, 128, dtype=torch.bfloat16))
             graph.replay()
             torch.cuda.synchronize()
             assert_close(out, reference(x, *extra), 1e-2)
+            assert not arrival_counters(x.device).any()
 
 
 @needs_cuda

@@ -26,7 +26,8 @@ def _pdl_on(device: torch.device) -> bool:
 @functools.lru_cache(maxsize=None)
 def arrival_counters(device: torch.device) -> torch.Tensor:
     """The device's MAX_ARRIVAL_COUNTERS zeroed int32 counters for kernels whose last program
-    to arrive finishes the work (split-K projections, the greedy argmax): a kernel counts
+    to arrive finishes the work (split-K projections, NemotronH's router, the one-token MoE
+    down GEMM's combine, the greedy argmax): a kernel counts
     its programs on them and leaves them zero again. Every such kernel waits for the kernel
     before it (`wait_for_previous_kernel`), and the engine runs its forward passes, graphed
     or not, on one stream, so two kernels never use them at once. Made at the first call,

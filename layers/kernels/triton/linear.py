@@ -51,8 +51,9 @@ class Tiling:
 @triton.jit
 def bfloat16_pieces(w):
     """A float32 tile as three bfloat16 pieces, high + middle + low == w (24 = 3 x 8
-    significand bits: exact while the low piece is a normal number, |w| above about
-    2^-110); high + middle is exact in float32 too, so adding them in that order rebuilds w."""
+    significand bits: exact for |w| above about 2^-110, where the low piece still fits,
+    bfloat16 subnormals included); high + middle is exact in float32 too, so adding them in
+    that order rebuilds w."""
     high = w.to(tl.bfloat16)
     rest = w - high.to(tl.float32)  # exact: what rounding to bfloat16 dropped
     middle = rest.to(tl.bfloat16)
@@ -66,16 +67,18 @@ def _bfloat16_pieces_kernel(w_ptr, pieces_ptr, numel, BLOCK: tl.constexpr, PDL: 
     mask = offs < numel
     high, middle, low = bfloat16_pieces(tl.load(w_ptr + offs, mask=mask, other=0.0))
     tl.store(pieces_ptr + offs, high, mask=mask)
-    tl.store(pieces_ptr + numel + offs, middle, mask=mask)
-    tl.store(pieces_ptr + 2 * numel + offs, low, mask=mask)
+    tl.store(pieces_ptr + (offs + numel), middle, mask=mask)
+    tl.store(pieces_ptr + (offs + numel + numel), low, mask=mask)  # (2 * numel could pass int32)
 
 
 def split_bfloat16_pieces(weight: torch.Tensor) -> torch.Tensor:
     """A contiguous float32 [N, K] weight as its three bfloat16 pieces stacked along N
     ([3N, K]: high, middle, low rows), so that one bfloat16 GEMM with float32 output
-    against x gives the three exact partial products of x @ weight^T (`bfloat16_pieces`)."""
+    against x gives x @ piece^T for each piece (`bfloat16_pieces`): exact products, each
+    piece's sum rounded to float32."""
     if weight.dtype != torch.float32 or not weight.is_contiguous():
-        raise ValueError(f"split_bfloat16_pieces takes a contiguous float32 weight, got {weight.dtype}")
+        raise ValueError(f"split_bfloat16_pieces takes a contiguous float32 weight, got {weight.dtype} "
+                         f"(contiguous: {weight.is_contiguous()})")
     pieces = torch.empty((3 * weight.shape[0], weight.shape[1]), dtype=torch.bfloat16, device=weight.device)
     block = 1024
     _bfloat16_pieces_kernel[(triton.cdiv(weight.numel(), block),)](weight, pieces, weight.numel(), BLOCK=block,

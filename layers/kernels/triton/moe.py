@@ -1,4 +1,4 @@
-"""Fused MoE experts: alignment, two grouped GEMMs and a combine, four kernels in all (two at one token).
+"""Fused MoE experts: alignment, two grouped GEMMs and a combine, four kernels in all (two or three at one token).
 
 1. `align_pairs` (moe_align.py) sorts the T x slots (token, slot) pairs into per-expert row
    segments padded to the row tile BLOCK_M. A token's slots are its k routed choices, then
@@ -9,21 +9,22 @@
    the last real one exit at once.
 3. Down GEMM: the same over the activations, each row written to its (token, slot) place.
 4. Combine: per token, the k routed rows times their weights plus the shared rows, summed in
-   slot order in float32 (deterministic; no atomic adds anywhere).
+   slot order in float32 (deterministic; no floating-point atomics anywhere).
 
 One token (batch-1 decode, where every kernel boundary costs a few microseconds) takes two
 kernels: its pairs are already one per block (the aligned layout of one token has the same
 blocks, in expert order), so the GEMMs read the expert of block b from the routes and skip
 alignment; and the down GEMM's last program to finish a column tile (an arrival counter
 per tile, as in the split-K projections) combines that tile in slot order, as the combine
-kernel does. The same products and sums as the four-kernel path, bit for bit.
+kernel does (a hidden size with more column tiles than arrival counters keeps the combine
+kernel: three). The same products and sums as the four-kernel path, bit for bit.
 
 The shared expert (same activation, no biases) runs inside the same kernels: its
 intermediate width S is cut into cdiv(S, I) chunks of the routed width I, pseudo-experts
 E, E+1, ... with weight 1 that every token visits (for relu2 and SwiGLU the chunks' down
 projections add up to the whole MLP's). So a MoE layer with a shared expert costs the
 router op (`moe_routing.py`: one or two kernels, or three with cuBLAS's split-K reduce) and
-these four kernels (two at one token).
+these four kernels (two or three at one token).
 
 Numerics follow the reference: float32 accumulation, each projection rounded to x's dtype
 before the activation, the down projection rounded to x's dtype before it is weighted,
@@ -208,18 +209,19 @@ class _Weights:
     shared_half: int
 
 
-def _gemm(a: torch.Tensor, weights: _Weights, out: torch.Tensor, rows: ExpertRows | None, topk_ids: torch.Tensor,
-          tile: tuple[int, int], tiles: MoeTiles, up: bool, act: int, num_routed: int, shared_width: int, slots: int,
-          combine: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-    """One grouped GEMM. `rows` None: one token, whose pairs are the blocks (no alignment).
-    `combine` (the routes' weights, the output): the down GEMM of one token combines too."""
+def _gemm(a: torch.Tensor, weights: _Weights, out: torch.Tensor, rows: ExpertRows | None, blocks: int,
+          topk_ids: torch.Tensor, tile: tuple[int, int], tiles: MoeTiles, up: bool, act: int, num_routed: int,
+          shared_width: int, slots: int, combine: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """One grouped GEMM over `blocks` row blocks. `rows` None: one token, whose pairs are the
+    blocks (no alignment). `combine` (the routes' weights, the output): the down GEMM of one
+    token combines too."""
     block_n, block_k = tile
     n_dim = out.shape[1]
     # Arguments a mode does not read get topk_ids as a placeholder pointer.
     aligned = (topk_ids,) * 3 if rows is None else (rows.pairs, rows.block_expert, rows.expert_end)
     topk_weights, final = (topk_ids, topk_ids) if combine is None else combine
     arrivals = topk_ids if combine is None else arrival_counters(a.device)
-    _moe_gemm_kernel[(slots if rows is None else rows.max_blocks, triton.cdiv(n_dim, block_n))](
+    _moe_gemm_kernel[(blocks, triton.cdiv(n_dim, block_n))](
         a, weights.routed, weights.shared, out, *aligned, topk_ids, topk_weights, final, arrivals,
         n_dim, a.shape[1], num_routed, shared_width, a.stride(0), out.stride(0), weights.routed.stride(0),
         weights.routed.stride(1), weights.stride_sn, weights.shared_step, weights.routed_half, weights.shared_half,
@@ -297,9 +299,9 @@ def moe_experts(
                         shared_width * shared_up.stride(0))
         down_w = _Weights(w_down, shared_down, shared_down.stride(0), inter, 0, 0)
     h = torch.empty((blocks * tiles.block_m, inter), dtype=x.dtype, device=x.device)
-    _gemm(x, up_w, h, rows, topk_ids, tiles.up, tiles, True, act, num_experts, shared_width, slots)
+    _gemm(x, up_w, h, rows, blocks, topk_ids, tiles.up, tiles, True, act, num_experts, shared_width, slots)
     y = torch.empty((num_tokens * slots, hidden), dtype=x.dtype, device=x.device)
-    _gemm(h, down_w, y, rows, topk_ids, tiles.down, tiles, False, 0, num_experts, shared_width, slots,
+    _gemm(h, down_w, y, rows, blocks, topk_ids, tiles.down, tiles, False, 0, num_experts, shared_width, slots,
           combine=(weights, out) if combine_in_down else None)
     if combine_in_down:
         return out

@@ -50,7 +50,6 @@ class ExpertRows:
     pairs: torch.Tensor  # [max_blocks * block_m] int32: the pair at each row (padding rows: unwritten)
     block_expert: torch.Tensor  # [max_blocks] int32: expert of each block of block_m rows, -1 if unused
     expert_end: torch.Tensor  # [experts] int32: one past each expert's last real row
-    block_m: int
 
     @property
     def max_blocks(self) -> int:
@@ -130,7 +129,7 @@ def align_pairs(topk_ids: torch.Tensor, num_routed: int, shared_chunks: int, blo
     device = topk_ids.device
     rows = ExpertRows(pairs=torch.empty(blocks * block_m, dtype=torch.int32, device=device),
                       block_expert=torch.empty(blocks, dtype=torch.int32, device=device),
-                      expert_end=torch.empty(num_experts, dtype=torch.int32, device=device), block_m=block_m)
+                      expert_end=torch.empty(num_experts, dtype=torch.int32, device=device))
     if num_pairs == 0:
         return rows
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
