@@ -3,8 +3,9 @@ expert, optional latent projections) and Granite's (softmax top-k, SwiGLU expert
 
 Each block is the router op (router GEMM and routing) and one `moe_experts` call that also
 runs the shared expert when it can (no latent projections, no biases): on the GPU six
-kernels per layer; for NemotronH five up to 16 tokens, whose router op is then one kernel,
-and seven or eight past 32, where x is cast for a float32 router GEMM
+kernels per layer, two fewer at one token (no alignment, no combine kernel); for NemotronH
+five at 2-16 tokens and three at one, whose router op is then one kernel, and seven or
+eight past 32, where the float32 router weight's bfloat16 pieces get their own GEMM
 (`layers/kernels/triton/moe_routing.py`, `moe.py`). The blocks feed the ops
 their inputs as they are (hidden states, router weights, float32 routing weights); the ops
 do the casts the reference makes.
