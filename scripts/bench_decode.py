@@ -18,10 +18,12 @@ events, no profiler). `--hf-batch N` adds HF transformers' `generate` on the sam
 
 Floors: the bytes one decode step must move over the device copy bandwidth measured in the
 same run. Both count Mamba state read + write per sequence (conv + SSM, all Mamba layers)
-and the KV read (mean context x KV bytes per token of the attention layers), plus
-- all-weights floor: every parameter (for a dense model the only floor);
-- active-weight floor (MoE models): every parameter except the routed experts' stacked
-  weights (router, shared expert, mixers, norms, embeddings and LM head stay), plus the
+and the KV read (mean context x KV bytes per token of the attention layers), and an
+input embedding table the LM head does not share only as the batch's rows (the step looks
+up only those; a shared table counts whole, as the LM head reads it all), plus
+- all-weights floor: every other parameter (for a dense model the only floor);
+- active-weight floor (MoE models): every other parameter except the routed experts'
+  stacked weights (router, shared expert, mixers, norms and LM head stay), plus the
   routed experts the step uses: one eager decode step of the batch (distinct random
   prompts, graph padding rows excluded) with each MoE layer's router output recorded,
   counting distinct experts per layer. The analytic count for uniform routing,

@@ -73,22 +73,33 @@ class MoeLayerBytes:
 
 @dataclass(frozen=True)
 class WeightBytes:
-    """A model's weight bytes: all of them, and the routed experts' per MoE layer."""
+    """A model's weight bytes: all of them, the routed experts' per MoE layer, and the input
+    embedding table when the LM head does not share it (a step looks up only its tokens'
+    rows of such a table, where the LM head reads a shared one whole)."""
 
     total: int
     moe_layers: tuple[MoeLayerBytes, ...]
+    lookup_table: int = 0  # bytes of an input embedding table of its own (0: shared with the LM head)
+    lookup_row: int = 0  # bytes of one of its rows
 
-    @property
-    def non_expert(self) -> int:
-        """What every step reads whatever the routing: all but the routed experts (the
-        router, the shared expert, mixers, norms, embeddings and LM head included)."""
-        return self.total - sum(layer.num_experts * layer.expert_bytes for layer in self.moe_layers)
+    def non_expert(self, batch: int) -> int:
+        """What a step of `batch` tokens reads whatever the routing: all but the routed
+        experts (the router, the shared expert, mixers, norms and LM head included), with
+        `batch` rows of an input embedding table of its own in place of the whole table."""
+        lookups = min(self.lookup_table, batch * self.lookup_row)
+        routed = sum(layer.num_experts * layer.expert_bytes for layer in self.moe_layers)
+        return self.total - routed - self.lookup_table + lookups
 
-    def active(self, distinct: Sequence[float]) -> float:
-        """Weight bytes of a step in which MoE layer i reads `distinct[i]` routed experts."""
+    def active(self, distinct: Sequence[float], batch: int) -> float:
+        """Weight bytes of a step of `batch` tokens in which MoE layer i reads `distinct[i]`
+        routed experts."""
         if len(distinct) != len(self.moe_layers):
             raise ValueError(f"distinct: {len(distinct)} counts for {len(self.moe_layers)} MoE layers")
-        return self.non_expert + sum(d * layer.expert_bytes for d, layer in zip(distinct, self.moe_layers))
+        return self.non_expert(batch) + sum(d * layer.expert_bytes for d, layer in zip(distinct, self.moe_layers))
+
+    def every_expert(self, batch: int) -> int:
+        """Weight bytes of a step of `batch` tokens that reads every routed expert."""
+        return self.active([layer.num_experts for layer in self.moe_layers], batch)
 
     def expected_distinct(self, batch: int) -> list[float]:
         """`expected_distinct_experts` of each MoE layer for a decode step of `batch` tokens."""
@@ -96,13 +107,17 @@ class WeightBytes:
 
 
 def weight_bytes(model: nn.Module) -> WeightBytes:
-    """Split the model's parameters (each shared tensor once) into routed experts and the rest."""
+    """Split the model's parameters (each shared tensor once) into routed experts, an input
+    embedding table the LM head does not share, and the rest."""
     total = sum(tensor_bytes(p) for p in model.parameters())
     layers = []
     for block in moe_blocks(model):
         up, down = routed_expert_weights(block)
         layers.append(MoeLayerBytes(up.shape[0], block.top_k, (tensor_bytes(up) + tensor_bytes(down)) // up.shape[0]))
-    return WeightBytes(total, tuple(layers))
+    table = model.input_embeddings().weight
+    if table is model.lm_head.weight:
+        return WeightBytes(total, tuple(layers))
+    return WeightBytes(total, tuple(layers), tensor_bytes(table), tensor_bytes(table[0]))
 
 
 def state_bytes(engine, batch: int, context: int) -> int:
@@ -130,7 +145,8 @@ def step_floors(engine, batch: int, context: int, distinct: Sequence[int]) -> St
     read `distinct` routed experts each (empty for a dense model: all three floors agree)."""
     weights, state = weight_bytes(engine.model), state_bytes(engine, batch, context)
     expected = weights.expected_distinct(batch)
-    return StepFloors(weights.total + state, weights.active(distinct) + state, weights.active(expected) + state,
+    return StepFloors(weights.every_expert(batch) + state, weights.active(distinct, batch) + state,
+                      weights.active(expected, batch) + state,
                       tuple(distinct), tuple(expected))
 
 

@@ -49,8 +49,14 @@ def checkpoint_llm(tmp_path_factory):
 
 
 def old_step_bytes(engine, batch: int, context: int) -> int:
-    """The floor the script printed before active-weight floors: every parameter + state."""
-    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    """The floor the script printed before active-weight floors: every parameter + state,
+    except that an input embedding table the LM head does not share counts only `batch`
+    of its rows (the rows the step looks up)."""
+    model = engine.model
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    table = model.input_embeddings().weight
+    if table is not model.lm_head.weight:
+        weights -= (table.shape[0] - batch) * table[0].numel() * table.element_size()
     mamba = engine.mamba
     per_seq = (mamba.conv_states[:, 0].numel() * mamba.conv_states.element_size()
                + mamba.ssm_states[:, 0].numel() * mamba.ssm_states.element_size())
@@ -81,14 +87,30 @@ def test_weight_bytes_splits_out_the_routed_experts(checkpoint_llm, name):
     routed = [p for n, p in params.items() if n.endswith(ROUTED_EXPERT_SUFFIXES)]
     weights = weight_bytes(model)
     assert weights.total == sum(p.numel() * p.element_size() for p in params.values())
-    assert weights.non_expert == weights.total - sum(p.numel() * p.element_size() for p in routed)
+    table = params["model.embeddings.weight" if "model.embeddings.weight" in params else "model.embed_tokens.weight"]
+    # Neither checkpoint ties its LM head to the table: a step reads 3 of its rows.
+    assert "lm_head.weight" in params and weights.lookup_table == table.numel() * table.element_size() > 0
+    unread = (table.shape[0] - 3) * table.shape[1] * table.element_size()
+    assert weights.non_expert(3) == weights.total - sum(p.numel() * p.element_size() for p in routed) - unread
     assert len(weights.moe_layers) == len(routed) // 2
     top_k = model.config.top_k
     assert all(layer.num_experts == 4 and layer.top_k == top_k for layer in weights.moe_layers)
-    # Every expert read: the all-weights bytes.
-    assert weights.active([layer.num_experts for layer in weights.moe_layers]) == weights.total
+    # Every expert read: the all-weights bytes; a batch as large as the vocabulary reads the whole table.
+    assert weights.active([layer.num_experts for layer in weights.moe_layers], 3) == weights.every_expert(3)
+    assert weights.every_expert(3) == weights.total - unread
+    assert weights.every_expert(table.shape[0] + 5) == weights.total
     with pytest.raises(ValueError, match="distinct"):
-        weights.active([1])
+        weights.active([1], 3)
+
+
+def test_weight_bytes_counts_a_shared_table_whole(checkpoint_llm):
+    model = checkpoint_llm("granite_moe_rope").engine.model
+    assert model.lm_head.weight is model.input_embeddings().weight  # tied: the LM head reads it all
+    weights = weight_bytes(model)
+    assert weights.lookup_table == 0
+    assert weights.every_expert(1) == weights.total == sum(p.numel() * p.element_size() for p in model.parameters())
+    routed = sum(layer.num_experts * layer.expert_bytes for layer in weights.moe_layers)
+    assert routed > 0 and weights.non_expert(1) == weights.total - routed
 
 
 @pytest.mark.parametrize("name", MOE_CHECKPOINTS)
