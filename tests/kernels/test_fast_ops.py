@@ -216,17 +216,26 @@ def test_linear(rows: int, shape: tuple[int, int], with_bias: bool) -> None:
 
 def test_linear_tiling() -> None:
     """Narrow weights split K (into slices of at least MIN_SLICE columns, within
-    MAX_SPLIT_PROGRAMS programs), wide ones never do; 256-column K steps only for slices of
-    4,096 columns or more in whole steps."""
+    MAX_SPLIT_PROGRAMS programs), wide ones never do; a deep weight (N < K <= 4,096) of few
+    column tiles takes more slices, toward DEEP_TARGET_PROGRAMS programs; 256-column K steps
+    only for slices of 4,096 columns or more in whole steps."""
     assert linear.tiling(100352, 1536) == linear.Tiling(64, 128, 1)
-    assert linear.tiling(1536, 3072) == linear.Tiling(64, 128, 4)
     assert linear.tiling(256, 2688) == linear.Tiling(32, 128, 8)
     assert linear.tiling(18560, 4096) == linear.Tiling(64, 256, 1)
+    assert linear.tiling(4096, 8192) == linear.Tiling(64, 256, 2)  # deeper than 4,096: no deep rule
     assert linear.tiling(100, 300) == linear.Tiling(32, 128, 1)  # a slice would be under MIN_SLICE
-    for n, k in ((1024, 1024), (4096, 21504), (6448, 1536), (64, 1536)):
+    # Deep: 48 and 84 column tiles of 32 in 5 and 3 slices (240 and 252 programs), 32 tiles in 8.
+    assert linear.tiling(1536, 3072) == linear.Tiling(32, 128, 5)
+    assert linear.tiling(2688, 4096) == linear.Tiling(32, 128, 3)
+    assert linear.tiling(1024, 4096) == linear.Tiling(32, 128, 8)
+    assert linear.tiling(1536, 1536) == linear.Tiling(64, 128, 4)  # square: not deep
+    for n, k in ((1024, 1024), (4096, 21504), (6448, 1536), (64, 1536), (1536, 3072), (2688, 4096), (200, 1000)):
         tiles = linear.tiling(n, k)
+        grid = triton.cdiv(n, tiles.block_n) * tiles.split
         assert k // tiles.split >= linear.MIN_SLICE
-        assert tiles.split == 1 or triton.cdiv(n, tiles.block_n) * tiles.split <= linear.MAX_SPLIT_PROGRAMS
+        assert tiles.split == 1 or triton.cdiv(n, tiles.block_n) <= device.MAX_ARRIVAL_COUNTERS
+        assert tiles.split == 1 or grid <= max(linear.MAX_SPLIT_PROGRAMS,
+                                               linear.DEEP_TARGET_PROGRAMS + triton.cdiv(n, tiles.block_n))
 
 
 @pytest.mark.parametrize("split", [1, 2, 3, 8])
@@ -245,6 +254,16 @@ def test_linear_split_is_deterministic_and_leaves_counters_zero(split: int) -> N
     if not INTERPRET:
         for row in (0, 15, 16, 31):
             assert torch.equal(linear.skinny_linear(x[row:row + 1], weight, None, tiles)[0], out[row])
+
+
+def test_skinny_linear_refuses_more_split_column_tiles_than_counters() -> None:
+    """A split weight needs one arrival counter per column tile: 129 tiles of 32 are refused
+    with the reason, and the same weight unsplit runs."""
+    x, weight = randn(1, 512, dtype=LOW), randn(32 * (device.MAX_ARRIVAL_COUNTERS + 1), 512, dtype=LOW)
+    with pytest.raises(ValueError, match="arrival counter"):
+        linear.skinny_linear(x, weight, None, linear.Tiling(32, 128, 2))
+    assert_close(linear.skinny_linear(x, weight, None, linear.Tiling(32, 128, 1)).float(),
+                 F.linear(x.float(), weight.float()), TOL[LOW])
 
 
 def test_linear_leaves_other_inputs_to_torch() -> None:

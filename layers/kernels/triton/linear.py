@@ -30,8 +30,13 @@ from layers.kernels.triton.device import MAX_ARRIVAL_COUNTERS, arrival_counters,
 
 ROW_TILE = 16  # the tensor-core tile the rows are padded to
 MAX_ROWS = 2 * ROW_TILE  # past a decode step's 32 rows cuBLAS's tiled GEMMs take over
-MAX_SPLIT_PROGRAMS = MAX_ARRIVAL_COUNTERS  # K is split only while the grid stays within this many programs ...
+MAX_SPLIT_PROGRAMS = 128  # K slices are doubled only while the grid stays within this many programs ...
 MIN_SLICE = 256  # ... and each slice keeps at least this many K columns
+# A deep weight (N < K <= 4,096) is cut into 32-column tiles and, past the doubling, into
+# as many slices as bring its grid to about this many programs (1.75 per SM of an H100 /
+# H200), each slice keeping DEEP_MIN_SLICE columns or more.
+DEEP_TARGET_PROGRAMS = 232
+DEEP_MIN_SLICE = 512
 _DTYPES = (torch.bfloat16, torch.float16)
 # The conv epilogue runs for one row tile: with two, the kernel reached 255 registers and a
 # granite-4.0-h-tiny step at batch 32 took 7.58 ms against 7.41 with the separate conv kernel.
@@ -204,17 +209,23 @@ def _skinny_linear_kernel(
 @functools.lru_cache(maxsize=None)
 def tiling(n: int, k: int) -> Tiling:
     """The tiling of an [n, k] weight, from its shape alone (so a row's result does not
-    depend on how many rows come with it): 32-column tiles up to 1,024 columns, else 64; K
-    slices doubled while the grid stays within MAX_SPLIT_PROGRAMS programs and K / slices
-    stays at MIN_SLICE columns or more (the kernel rounds each slice up to whole K steps, so
-    the last one can be shorter, even empty); 256-column K steps where K / slices is 4,096
-    or more columns in whole steps, else 128. Fitted on the presets' projections at 1 and 32 rows (H100, graph
-    chains; docs/kernels.md, "Few-row projections")."""
-    block_n = 32 if n <= 1024 else 64
+    depend on how many rows come with it): 32-column tiles up to 1,024 columns or for a deep
+    weight (n < k <= 4,096), else 64; K slices doubled while the grid stays within
+    MAX_SPLIT_PROGRAMS programs and K / slices stays at MIN_SLICE columns or more (the
+    kernel rounds each slice up to whole K steps, so the last one can be shorter, even
+    empty); a deep weight with fewer than 96 column tiles then takes more slices if that
+    brings its grid nearer DEEP_TARGET_PROGRAMS (any count, not only powers of two, each of
+    DEEP_MIN_SLICE columns or more); 256-column K steps where K / slices is 4,096 or more
+    columns in whole steps, else 128. Fitted on the presets' projections at 1 and 32 rows
+    (H100 graph chains; the deep rule on the H200; docs/kernels.md, "Few-row projections")."""
+    deep = n < k <= 4096
+    block_n = 32 if n <= 1024 or deep else 64
     col_tiles = triton.cdiv(n, block_n)
     split = 1
     while 2 * split * col_tiles <= MAX_SPLIT_PROGRAMS and k // (2 * split) >= MIN_SLICE:
         split *= 2
+    if deep and col_tiles < 96:
+        split = max(split, min(triton.cdiv(DEEP_TARGET_PROGRAMS, col_tiles), k // DEEP_MIN_SLICE))
     slice_k = k // split
     return Tiling(block_n, 256 if slice_k % 256 == 0 and slice_k >= 4096 else 128, split)
 
@@ -299,8 +310,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         # (the kernel's dots are tf32 for float32 operands: an fp16 x would round the weight)
         raise ValueError(f"skinny_linear: a {weight.dtype} weight takes a bfloat16 x or its own dtype, "
                          f"not {x.dtype}")
-    if x.numel() == 0 or (tiles.split > 1 and triton.cdiv(n, tiles.block_n) * tiles.split > MAX_SPLIT_PROGRAMS):
-        raise ValueError(f"skinny_linear: no rows, or a split grid over {MAX_SPLIT_PROGRAMS} programs ({tiles})")
+    if x.numel() == 0 or (tiles.split > 1 and triton.cdiv(n, tiles.block_n) > MAX_ARRIVAL_COUNTERS):
+        raise ValueError(f"skinny_linear: no rows, or a split weight of more than {MAX_ARRIVAL_COUNTERS} column "
+                         f"tiles (one arrival counter each; {tiles})")
     rows = x.numel() // x.shape[-1]
     flat = x.reshape(rows, x.shape[-1])
     if flat.stride(-1) != 1:
