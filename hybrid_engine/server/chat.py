@@ -98,13 +98,18 @@ class ChatHandler(OpenAIServing):
         return ids
 
     def _check_markup_free(self, message: ChatMessage, index: int) -> None:
-        """400 naming the field if a message's name or a tool call's name or arguments hold a
-        special token's text: templates write those as markup, not as placeholder text, so
-        the text would become the token itself (role injection)."""
-        fields = [("name", message.name)]
+        """400 naming the field if a message's name, tool_call_id, or a tool call's id, name
+        or arguments hold a special token's text: templates write those as markup, not as
+        placeholder text, so the text would become the token itself (role injection).
+        Arguments are checked as written and as the template gets them (every key and value
+        of the parsed JSON object), since JSON escapes such as \\u003c spell a token's
+        text only once parsed."""
+        fields = [("name", message.name), ("tool_call_id", message.tool_call_id)]
         for j, call in enumerate(message.tool_calls or ()):
-            fields += [(f"tool_calls.{j}.function.name", call.function.name),
+            fields += [(f"tool_calls.{j}.id", call.id), (f"tool_calls.{j}.function.name", call.function.name),
                        (f"tool_calls.{j}.function.arguments", call.function.arguments)]
+            parsed = call.template_dict()["function"]["arguments"]
+            fields += [(f"tool_calls.{j}.function.arguments", text) for text in _strings_in(parsed)]
         for field, text in fields:
             token = next((t for t in self._special_tokens if text and t in text), None)
             if token is not None:
@@ -155,3 +160,19 @@ class ChatHandler(OpenAIServing):
     def _entry(self, token_id: int, logprob: float) -> dict:
         return {"token": self.texts.token_text(token_id), "logprob": logprob,
                 "bytes": list(self.texts.token_bytes(token_id))}
+
+
+def _strings_in(value: object) -> list[str]:
+    """Every string in a parsed JSON value, keys included (iteratively: nesting is as deep as
+    the parser allowed)."""
+    strings, stack = [], [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            strings.append(item)
+        elif isinstance(item, dict):
+            strings += item.keys()
+            stack += item.values()
+        elif isinstance(item, list):
+            stack += item
+    return strings

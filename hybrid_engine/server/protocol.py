@@ -37,11 +37,17 @@ def ranged(default: Any, name: str, lo: int | None = None) -> Any:
     return Field(default, **bounds)
 
 
+MAX_ECHOED_CHARS = 80  # of a refused value, in its error message
+
+
 def only_neutral(name: str, value: Any, neutral: Any) -> Any:
     """Accept a standard OpenAI field only at the value that asks for nothing we don't do
     (clients send these by default); any other value is a 400 `not_implemented`."""
     if value != neutral:
-        raise PydanticCustomError("not_implemented", f"{name}={value!r} is not implemented; only {neutral!r} is "
+        shown = repr(value)
+        if len(shown) > MAX_ECHOED_CHARS:  # (an error should not be larger than the request)
+            shown = shown[:MAX_ECHOED_CHARS] + "..."
+        raise PydanticCustomError("not_implemented", f"{name}={shown} is not implemented; only {neutral!r} is "
                                                      "accepted")
     return value
 

@@ -279,13 +279,9 @@ class OpenAIServing:
         param = "prompt" if n == 1 or num_prompts > self.llm.max_prompts_per_request else "n"
         what = f"{num_prompts} prompts in one request" if param == "prompt" else \
             f"{total} sequences in one request ({num_prompts} prompt(s) x n={n} choices)"
-        try:
-            self.llm.check_num_prompts(total)
-        except ValueError as exc:
-            if param == "prompt":
-                raise invalid_input(exc) from exc
-            raise APIError(f"n: {what}; this server takes at most {self.llm.max_prompts_per_request} per request "
-                           f"(--max-prompts-per-request)", param="n") from exc
+        if total > self.llm.max_prompts_per_request:
+            raise APIError(f"{param}: {what}; this server takes at most {self.llm.max_prompts_per_request} per "
+                           f"request (--max-prompts-per-request)", param=param)
         if total > self.llm.max_in_flight:
             raise APIError(f"{param}: {what}; this server admits at most {self.llm.max_in_flight} requests at once",
                            param=param)

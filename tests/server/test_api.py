@@ -116,6 +116,16 @@ def test_n_that_makes_too_many_sequences_names_n(server: Server, path: str):
     assert r.status_code == 400 and error["param"] == "n" and "sequences in one request" in error["message"], error
 
 
+def test_too_many_prompts_with_n_counts_the_prompts(server: Server):
+    """More prompts than the cap, each with n = 2 choices: the 400 names "prompt" and counts
+    the prompts sent, not prompts x n."""
+    cap = server.llm.max_prompts_per_request
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": [[1]] * (cap + 1), "n": 2, "max_tokens": 1})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "prompt", error
+    assert error["message"].startswith(f"prompt: {cap + 1} prompts in one request;"), error
+
+
 def test_unseeded_choices_differ_from_each_other(client: openai.OpenAI):
     """Without a seed each choice gets an engine seed of its own: the choices differ."""
     r = client.completions.create(model=MODEL, prompt="ab", n=3, temperature=0.8, max_tokens=12,
