@@ -1,9 +1,13 @@
 """The FastAPI application: routes, lifespan, and client-disconnect handling."""
 import asyncio
 import contextlib
-from typing import Awaitable
+import email.message
+import json
+from typing import Awaitable, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
@@ -18,6 +22,47 @@ from hybrid_engine.server.serving import TokenizerThread, TokenTexts
 
 # nginx's "client closed request": logged, never seen by the (gone) client.
 CLIENT_CLOSED_REQUEST = 499
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def _decoded(raw: bytes, content_type: str | None) -> object:
+    """The body as FastAPI would validate it: None when empty, parsed JSON for no content
+    type or a JSON one, else the bytes (which then fail validation)."""
+    if not raw:
+        return None
+    if content_type:
+        message = email.message.Message()
+        message["content-type"] = content_type
+        subtype = message.get_content_subtype()
+        if message.get_content_maintype() != "application" or not (subtype == "json" or subtype.endswith("+json")):
+            return raw
+    return json.loads(raw)
+
+
+def _validated(model: type[Body], raw: bytes, content_type: str | None) -> Body:
+    """Decode and validate a body, raising what FastAPI's own body parameter would (so the
+    error handlers answer alike)."""
+    try:
+        body = _decoded(raw, content_type)
+    except json.JSONDecodeError as exc:
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",
+                                       "input": {}, "ctx": {"error": exc.msg}}]) from exc
+    except Exception as exc:  # e.g. nesting deeper than the recursion limit
+        raise HTTPException(status_code=400, detail="There was an error parsing the body") from exc
+    if body is None:
+        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in exc.errors()]) from exc
+
+
+async def parse_body(request: Request, model: type[Body]) -> Body:
+    """The request's JSON body as `model`, decoded and validated on a worker thread: a body
+    of megabytes takes seconds there, which on the event loop would stall every client
+    (docs/server.md, "Limits")."""
+    raw = await request.body()
+    return await asyncio.to_thread(_validated, model, raw, request.headers.get("content-type"))
 
 
 async def _disconnected(request: Request) -> None:
@@ -72,13 +117,15 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None, limits: Serve
     chat = ChatHandler(llm, model_name, tokenizer_thread, texts)
 
     @app.post("/v1/completions")
-    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    async def create_completion(request: Request) -> Response:
         """OpenAI completions (text or token-id prompts)."""
+        body = await parse_body(request, CompletionRequest)
         return await cancel_on_disconnect(request, completions.create(body))
 
     @app.post("/v1/chat/completions")
-    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    async def create_chat_completion(request: Request) -> Response:
         """OpenAI chat completions."""
+        body = await parse_body(request, ChatCompletionRequest)
         return await cancel_on_disconnect(request, chat.create(body))
 
     def model_card() -> ModelCard:

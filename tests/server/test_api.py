@@ -1,9 +1,18 @@
 """The OpenAI-compatible endpoints through the official `openai` client (and httpx)."""
+import asyncio
+import threading
+
 import httpx
 import openai
 import pytest
+from fastapi import HTTPException
+from fastapi.exceptions import RequestValidationError
+from pydantic import field_validator
+from starlette.requests import Request
 
 from hybrid_engine import LLM, SamplingParams
+from hybrid_engine.server.api import parse_body
+from hybrid_engine.server.protocol import CompletionRequest
 from hybrid_engine.sampling import derive_seed
 from hybrid_engine.tokenizer import build_byte_tokenizer
 from tests.server.conftest import MAX_MODEL_LEN, Server
@@ -386,3 +395,40 @@ def test_completion_top_logprobs_has_every_alternative(server: Server):
     keys = [key for top in logprobs["top_logprobs"] for key in top]
     assert any(key.startswith("bytes:\\x") for key in keys), "the test needs partial-character alternatives"
     assert "\ufffd" not in "".join(keys)
+
+
+def test_bodies_are_decoded_and_validated_off_the_event_loop():
+    """`parse_body` decodes and validates on a worker thread, not the loop's (a body of
+    megabytes takes seconds), and its errors are the ones FastAPI's body parameter raises."""
+    threads = []
+
+    class Recorded(CompletionRequest):
+        @field_validator("prompt")
+        @classmethod
+        def _record(cls, value):
+            threads.append(threading.get_ident())
+            return value
+
+    def request(raw: bytes, content_type: str | None = "application/json"):
+        async def receive():
+            return {"type": "http.request", "body": raw, "more_body": False}
+        headers = [] if content_type is None else [(b"content-type", content_type.encode())]
+        return Request({"type": "http", "method": "POST", "headers": headers}, receive)
+
+    async def run():
+        body = await parse_body(request(b'{"prompt": "a", "max_tokens": 2}'), Recorded)
+        assert body.max_tokens == 2 and threads and threads[0] != threading.get_ident()
+        errors = []
+        for raw, content_type in ((b'{"prompt": ', "application/json"), (b"", "application/json"),
+                                  (b'{"prompt": "a", "max_tokens": "x"}', None), (b"prompt=a", "text/plain"),
+                                  (b"[" * 100_000 + b"]" * 100_000, "application/json")):
+            try:
+                await parse_body(request(raw, content_type), CompletionRequest)
+            except (RequestValidationError, HTTPException) as exc:
+                errors.append(exc)
+        return errors
+
+    errors = asyncio.run(run())
+    kinds = [e.errors()[0]["type"] if isinstance(e, RequestValidationError) else e.status_code for e in errors]
+    assert kinds[:3] == ["json_invalid", "missing", "int_type"] and kinds[3].endswith("_type") and kinds[4] == 400
+    assert errors[2].errors()[0]["loc"] == ("body", "max_tokens")
