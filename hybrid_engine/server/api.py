@@ -7,6 +7,7 @@ from typing import Awaitable, TypeVar
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -60,9 +61,32 @@ def _validated(model: type[Body], raw: bytes, content_type: str | None) -> Body:
 async def parse_body(request: Request, model: type[Body]) -> Body:
     """The request's JSON body as `model`, decoded and validated on a worker thread: a body
     of megabytes takes seconds there, which on the event loop would stall every client
-    (docs/server.md, "Limits")."""
-    raw = await request.body()
+    (docs/server.md, "Limits"). A body that cannot be read (the client left, or
+    `BodySizeLimit` refused it) is FastAPI's 400, as with its own body parameter."""
+    try:
+        raw = await request.body()
+    except Exception as exc:
+        raise HTTPException(status_code=400, detail="There was an error parsing the body") from exc
     return await asyncio.to_thread(_validated, model, raw, request.headers.get("content-type"))
+
+
+def _document_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
+    """Put the request models of routes that parse their own bodies (`parse_body`) into the
+    app's OpenAPI schema, where FastAPI would have put them (/docs and /openapi.json)."""
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in bodies.items():
+                model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(model_schema.pop("$defs", {}))
+                components[model.__name__] = model_schema
+                ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+                schema["paths"][path]["post"]["requestBody"] = {"required": True,
+                                                                "content": {"application/json": {"schema": ref}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+    app.openapi = openapi
 
 
 async def _disconnected(request: Request) -> None:
@@ -130,6 +154,8 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None, limits: Serve
 
     def model_card() -> ModelCard:
         return ModelCard(id=model_name, root=llm.info.model_name, max_model_len=llm.info.max_request_tokens)
+
+    _document_bodies(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest})
 
     @app.get("/v1/models")
     async def list_models() -> Response:
