@@ -26,17 +26,23 @@ CLIENT_CLOSED_REQUEST = 499
 Body = TypeVar("Body", bound=BaseModel)
 
 
+_NO_BODY = object()
+
+
 def _decoded(raw: bytes, content_type: str | None) -> object:
-    """The body as FastAPI would validate it: None when empty, parsed JSON for no content
-    type or a JSON one, else the bytes (which then fail validation)."""
+    """The body as FastAPI (strict_content_type, its default) would validate it: _NO_BODY
+    when empty, parsed JSON for a JSON content type, else the bytes (which then fail
+    validation). No Content-Type is not JSON: a browser may send such a POST cross-site
+    without a CORS preflight."""
     if not raw:
-        return None
-    if content_type:
-        message = email.message.Message()
-        message["content-type"] = content_type
-        subtype = message.get_content_subtype()
-        if message.get_content_maintype() != "application" or not (subtype == "json" or subtype.endswith("+json")):
-            return raw
+        return _NO_BODY
+    if not content_type:
+        return raw
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    if message.get_content_maintype() != "application" or not (subtype == "json" or subtype.endswith("+json")):
+        return raw
     return json.loads(raw)
 
 
@@ -50,7 +56,7 @@ def _validated(model: type[Body], raw: bytes, content_type: str | None) -> Body:
                                        "input": {}, "ctx": {"error": exc.msg}}]) from exc
     except Exception as exc:  # e.g. nesting deeper than the recursion limit
         raise HTTPException(status_code=400, detail="There was an error parsing the body") from exc
-    if body is None:
+    if body is _NO_BODY:
         raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
     try:
         return model.model_validate(body)
@@ -65,6 +71,8 @@ async def parse_body(request: Request, model: type[Body]) -> Body:
     `BodySizeLimit` refused it) is FastAPI's 400, as with its own body parameter."""
     try:
         raw = await request.body()
+    except HTTPException:  # (a middleware's own answer, as FastAPI lets it through)
+        raise
     except Exception as exc:
         raise HTTPException(status_code=400, detail="There was an error parsing the body") from exc
     return await asyncio.to_thread(_validated, model, raw, request.headers.get("content-type"))

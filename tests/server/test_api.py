@@ -420,8 +420,10 @@ def test_bodies_are_decoded_and_validated_off_the_event_loop():
         assert body.max_tokens == 2 and threads and threads[0] != threading.get_ident()
         errors = []
         for raw, content_type in ((b'{"prompt": ', "application/json"), (b"", "application/json"),
-                                  (b'{"prompt": "a", "max_tokens": "x"}', None), (b"prompt=a", "text/plain"),
-                                  (b"[" * 100_000 + b"]" * 100_000, "application/json")):
+                                  (b'{"prompt": "a", "max_tokens": "x"}', "application/json"),
+                                  (b"prompt=a", "text/plain"),
+                                  (b"[" * 100_000 + b"]" * 100_000, "application/json"),
+                                  (b'{"prompt": "a"}', None), (b"null", "application/json")):
             try:
                 await parse_body(request(raw, content_type), CompletionRequest)
             except (RequestValidationError, HTTPException) as exc:
@@ -431,4 +433,5 @@ def test_bodies_are_decoded_and_validated_off_the_event_loop():
     errors = asyncio.run(run())
     kinds = [e.errors()[0]["type"] if isinstance(e, RequestValidationError) else e.status_code for e in errors]
     assert kinds[:3] == ["json_invalid", "missing", "int_type"] and kinds[3].endswith("_type") and kinds[4] == 400
+    assert kinds[5].endswith("_type") and kinds[6].endswith("_type")  # no Content-Type; a JSON null
     assert errors[2].errors()[0]["loc"] == ("body", "max_tokens")
