@@ -1,19 +1,15 @@
 """The FastAPI application: routes, lifespan, and client-disconnect handling."""
 import asyncio
 import contextlib
-import email.message
-import json
-from typing import Awaitable, TypeVar
+from typing import Awaitable
 
-from fastapi import FastAPI, HTTPException, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel, ValidationError
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
 from hybrid_engine.server.async_llm import AsyncLLM
+from hybrid_engine.server.bodies import document_bodies, parse_body
 from hybrid_engine.server.chat import ChatHandler
 from hybrid_engine.server.completions import CompletionsHandler
 from hybrid_engine.server.errors import install_error_handlers
@@ -23,78 +19,6 @@ from hybrid_engine.server.serving import TokenizerThread, TokenTexts
 
 # nginx's "client closed request": logged, never seen by the (gone) client.
 CLIENT_CLOSED_REQUEST = 499
-Body = TypeVar("Body", bound=BaseModel)
-
-
-_NO_BODY = object()
-
-
-def _decoded(raw: bytes, content_type: str | None) -> object:
-    """The body as FastAPI (strict_content_type, its default) would validate it: _NO_BODY
-    when empty, parsed JSON for a JSON content type, else the bytes (which then fail
-    validation). No Content-Type is not JSON: a browser may send such a POST cross-site
-    without a CORS preflight."""
-    if not raw:
-        return _NO_BODY
-    if not content_type:
-        return raw
-    message = email.message.Message()
-    message["content-type"] = content_type
-    subtype = message.get_content_subtype()
-    if message.get_content_maintype() != "application" or not (subtype == "json" or subtype.endswith("+json")):
-        return raw
-    return json.loads(raw)
-
-
-def _validated(model: type[Body], raw: bytes, content_type: str | None) -> Body:
-    """Decode and validate a body, raising what FastAPI's own body parameter would (so the
-    error handlers answer alike)."""
-    try:
-        body = _decoded(raw, content_type)
-    except json.JSONDecodeError as exc:
-        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",
-                                       "input": {}, "ctx": {"error": exc.msg}}]) from exc
-    except Exception as exc:  # e.g. nesting deeper than the recursion limit
-        raise HTTPException(status_code=400, detail="There was an error parsing the body") from exc
-    if body is _NO_BODY:
-        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in exc.errors()]) from exc
-
-
-async def parse_body(request: Request, model: type[Body]) -> Body:
-    """The request's JSON body as `model`, decoded and validated on a worker thread: a body
-    of megabytes takes seconds there, which on the event loop would stall every client
-    (docs/server.md, "Limits"). A body that cannot be read (the client left, or
-    `BodySizeLimit` refused it) is FastAPI's 400, as with its own body parameter."""
-    try:
-        raw = await request.body()
-    except HTTPException:  # (a middleware's own answer, as FastAPI lets it through)
-        raise
-    except Exception as exc:
-        raise HTTPException(status_code=400, detail="There was an error parsing the body") from exc
-    return await asyncio.to_thread(_validated, model, raw, request.headers.get("content-type"))
-
-
-def _document_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
-    """Put the request models of routes that parse their own bodies (`parse_body`) into the
-    app's OpenAPI schema, where FastAPI would have put them (/docs and /openapi.json)."""
-    def openapi() -> dict:
-        if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for path, model in bodies.items():
-                model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-                components.update(model_schema.pop("$defs", {}))
-                components[model.__name__] = model_schema
-                ref = {"$ref": f"#/components/schemas/{model.__name__}"}
-                schema["paths"][path]["post"]["requestBody"] = {"required": True,
-                                                                "content": {"application/json": {"schema": ref}}}
-            app.openapi_schema = schema
-        return app.openapi_schema
-    app.openapi = openapi
 
 
 async def _disconnected(request: Request) -> None:
@@ -151,19 +75,19 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None, limits: Serve
     @app.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
         """OpenAI completions (text or token-id prompts)."""
-        body = await parse_body(request, CompletionRequest)
+        body = await parse_body(request, CompletionRequest, tokenizer_thread)
         return await cancel_on_disconnect(request, completions.create(body))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
         """OpenAI chat completions."""
-        body = await parse_body(request, ChatCompletionRequest)
+        body = await parse_body(request, ChatCompletionRequest, tokenizer_thread)
         return await cancel_on_disconnect(request, chat.create(body))
 
     def model_card() -> ModelCard:
         return ModelCard(id=model_name, root=llm.info.model_name, max_model_len=llm.info.max_request_tokens)
 
-    _document_bodies(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest})
+    document_bodies(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest})
 
     @app.get("/v1/models")
     async def list_models() -> Response:

@@ -3,7 +3,7 @@ import functools
 import re
 import secrets
 import uuid
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from starlette.responses import Response
 
@@ -119,7 +119,7 @@ class ChatHandler(OpenAIServing):
 
     @functools.cached_property
     def _special_tokens(self) -> tuple[str, ...]:
-        return tuple(self.info.tokenizer.all_special_tokens)
+        return special_token_texts(self.info.tokenizer)
 
     def _tokenize(self, text: str, plain_text: bool) -> list[int]:
         """Token ids of part of a chat prompt (400 naming "messages" if it is not valid text)."""
@@ -160,6 +160,15 @@ class ChatHandler(OpenAIServing):
     def _entry(self, token_id: int, logprob: float) -> dict:
         return {"token": self.texts.token_text(token_id), "logprob": logprob,
                 "bytes": list(self.texts.token_bytes(token_id))}
+
+
+def special_token_texts(tokenizer: Any) -> tuple[str, ...]:
+    """The texts that markup turns into a token and a placeholder's text (tokenized with
+    split_special_tokens) does not: every added token marked special, not only the named
+    ones of `all_special_tokens` (Llama 3's <|start_header_id|> is special in
+    `added_tokens_decoder` and named nowhere)."""
+    added = {token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
+    return tuple(sorted(added | set(tokenizer.all_special_tokens)))
 
 
 def _strings_in(value: object) -> list[str]:

@@ -24,6 +24,16 @@ RATE_LIMIT = "rate_limit_error"
 
 # Suffixes of pydantic error types that mean "wrong JSON type" rather than "wrong value".
 _TYPE_ERRORS = ("_type", "_parsing")
+# An error repeats at most this much of one value the client sent (a field name, a key, a
+# refused value), and a validation message at most MAX_MESSAGE_CHARS in all: an error
+# should never be larger than the request (a 250 kB logit_bias, a 1 MB unknown key).
+MAX_ECHOED_CHARS = 80
+MAX_MESSAGE_CHARS = 400
+
+
+def clipped(text: str, limit: int = MAX_ECHOED_CHARS) -> str:
+    """`text`, cut to `limit` characters and marked "..." where it was cut."""
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class APIError(Exception):
@@ -60,11 +70,11 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return APIError("invalid request body")
     err = errors[0]
     # FastAPI prefixes body fields with "body"; union/validator tags are not parameter names.
-    loc = [str(p) for p in err.get("loc", ()) if p != "body" and not str(p).startswith(("function-", "list["))]
+    loc = [clipped(str(p)) for p in err.get("loc", ()) if p != "body" and not str(p).startswith(("function-", "list["))]
     # A check across fields (a model validator) names its field in the error's context.
     param = ".".join(loc) or (err.get("ctx") or {}).get("param")
     kind = err.get("type", "")
-    message = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+    message = clipped(str(err.get("msg", "invalid value")).removeprefix("Value error, "), MAX_MESSAGE_CHARS)
     if kind == "json_invalid":
         return APIError(f"request body is not valid JSON: {message}", code="invalid_json")
     if kind == "missing":

@@ -16,6 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInf
 from pydantic_core import PydanticCustomError
 
 from hybrid_engine.sampling_params import MAX_STOP_STRINGS, RANGES, check_unicode, is_int
+from hybrid_engine.server.errors import clipped
 
 # vLLM's request spelling of "top_k off"; the library's is 0 (see `sampling_kwargs`).
 TOP_K_OFF = -1
@@ -37,18 +38,12 @@ def ranged(default: Any, name: str, lo: int | None = None) -> Any:
     return Field(default, **bounds)
 
 
-MAX_ECHOED_CHARS = 80  # of a refused value, in its error message
-
-
 def only_neutral(name: str, value: Any, neutral: Any) -> Any:
     """Accept a standard OpenAI field only at the value that asks for nothing we don't do
     (clients send these by default); any other value is a 400 `not_implemented`."""
     if value != neutral:
-        shown = repr(value)
-        if len(shown) > MAX_ECHOED_CHARS:  # (an error should not be larger than the request)
-            shown = shown[:MAX_ECHOED_CHARS] + "..."
-        raise PydanticCustomError("not_implemented", f"{name}={shown} is not implemented; only {neutral!r} is "
-                                                     "accepted")
+        raise PydanticCustomError("not_implemented",
+                                  f"{name}={clipped(repr(value))} is not implemented; only {neutral!r} is accepted")
     return value
 
 
@@ -325,9 +320,9 @@ class ChatCompletionRequest(SamplingRequest):
         for message in self.messages:
             content = message.content
             total += len(content) if isinstance(content, str) else sum(len(part.text) for part in content)
-            total += len(message.name or "")
+            total += len(message.name or "") + len(message.tool_call_id or "")
             for call in message.tool_calls or ():
-                total += len(call.function.name) + len(call.function.arguments)
+                total += len(call.id) + len(call.function.name) + len(call.function.arguments)
         return total
 
     @field_validator("store")

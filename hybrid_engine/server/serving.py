@@ -101,14 +101,15 @@ LARGE_TEXT_CHARS = 1 << 16
 
 
 class TokenizerThread:
-    """The threads on which the HTTP server tokenizes prompts and renders chat templates:
-    one for requests of up to LARGE_TEXT_CHARS characters of text, one for larger ones,
-    each with a tokenizer copy of its own (`tokenizer`, on that thread) that nothing else
-    uses.
+    """The threads on which the HTTP server decodes request bodies (`bodies.parse_body`),
+    tokenizes prompts and renders chat templates: one for requests of up to
+    LARGE_TEXT_CHARS characters of text, one for larger ones, each with a tokenizer copy of
+    its own (`tokenizer`, on that thread) that nothing else uses.
 
     Off the event loop, so that a prompt of megabytes (seconds to encode) stalls no one
     else; two lanes, so that it does not hold up the small requests behind it either
-    (docs/server.md, Limits); one thread per copy, because encoding can change the
+    (docs/server.md, Limits), and so that one large request at a time takes the memory
+    its decoding and encoding need; one thread per copy, because encoding can change the
     tokenizer (transformers sets the Rust tokenizer's `encode_special_tokens` per call),
     which must not happen while another thread uses it. Work still queued when its client
     hangs up is dropped.

@@ -166,13 +166,24 @@ def test_malformed_body(server: Server, path, raw, content_type):
     server.assert_healthy()
 
 
-def test_a_refused_value_is_not_echoed_whole(server: Server):
-    """A large refused value (logit_bias with 20,000 entries, about 250 kB) is named, and
-    its error stays short instead of repeating the value."""
-    body = {"prompt": "a", "logit_bias": {str(i): 1.0 for i in range(20_000)}}
-    response = httpx.post(f"{server.url}{COMPLETIONS}", json=body, timeout=30)
+LONG = "k" * 100_000
+
+
+@pytest.mark.parametrize("path, body, param, code", [
+    # a refused value: logit_bias with 20,000 entries, about 250 kB
+    (COMPLETIONS, {"prompt": "a", "logit_bias": {str(i): 1.0 for i in range(20_000)}}, "logit_bias",
+     "not_implemented"),
+    (COMPLETIONS, {"prompt": "a", LONG: 1}, LONG[:80] + "...", "unknown_parameter"),  # an unknown field's name
+    (CHAT, {"messages": USER, "metadata": {LONG: 1}}, f"metadata.{LONG[:80]}...", "invalid_type"),  # a key
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": LONG, "text": "a"}]}]}, "messages.0.content",
+     "invalid_value"),  # a content part's type
+])
+def test_a_sent_value_is_not_echoed_whole(server: Server, path, body, param, code):
+    """An error names a large value the client sent (refused, or a field name or key) and
+    stays short instead of repeating it (at most `errors.MAX_ECHOED_CHARS` of it)."""
+    response = httpx.post(f"{server.url}{path}", json=body, timeout=30)
     error = assert_error_body(response, 400)
-    assert error["param"] == "logit_bias" and error["code"] == "not_implemented"
+    assert error["param"] == param and error["code"] == code
     assert len(response.content) < 1_000, len(response.content)
     server.assert_healthy()
 
