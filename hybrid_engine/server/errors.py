@@ -57,10 +57,11 @@ class APIError(Exception):
 def invalid_input(exc: ValueError) -> APIError:
     """The 400 for a ValueError of the library's validation (`SamplingParams`,
     `hybrid_engine.prompts`, `add_request`), naming the field when the error does."""
+    message = clipped(str(exc), MAX_MESSAGE_CHARS)  # (the library's messages repeat the value whole)
     if isinstance(exc, ParameterError):
         code = "context_length_exceeded" if isinstance(exc, ContextLengthExceeded) else "invalid_value"
-        return APIError(str(exc), param=exc.param, code=code)
-    return APIError(str(exc))
+        return APIError(message, param=exc.param, code=code)
+    return APIError(message)
 
 
 def validation_error(exc: RequestValidationError) -> APIError:

@@ -177,6 +177,8 @@ LONG = "k" * 100_000
     (CHAT, {"messages": USER, "metadata": {LONG: 1}}, f"metadata.{LONG[:80]}...", "invalid_type"),  # a key
     (CHAT, {"messages": [{"role": "user", "content": [{"type": LONG, "text": "a"}]}]}, "messages.0.content",
      "invalid_value"),  # a content part's type
+    (COMPLETIONS, {"prompt": "a", "stop_token_ids": [-1] * 100_000}, "stop_token_ids", "invalid_value"),  # the
+    # library's own check (`SamplingParams`)
 ])
 def test_a_sent_value_is_not_echoed_whole(server: Server, path, body, param, code):
     """An error names a large value the client sent (refused, or a field name or key) and
