@@ -164,3 +164,20 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
         # Re-raise with the path: transformers' errors often only name a file or a
         # hub repo id, which is misleading for a local checkpoint.
         raise ValueError(f"failed to load the tokenizer in {path!r} ({', '.join(present)}): {exc}") from exc
+
+
+def special_token_pattern(tokenizer: PreTrainedTokenizerBase) -> re.Pattern[str]:
+    """A pattern that finds, in one pass, the text of any token that markup (text tokenized
+    with special tokens parsed) turns into a special token and plain text (tokenized with
+    `split_special_tokens`) does not: every added token marked special, not only the named
+    ones of `all_special_tokens` (Llama 3's <|start_header_id|> is special in
+    `added_tokens_decoder` and named nowhere). One pass, because such a tokenizer has
+    hundreds (Llama 3 reserves 250): with 255, a `t in text` per token took 10.6 s over a
+    million one-character strings and a 7 MB one (a tool call's parsed arguments), the
+    pattern 0.1 s."""
+    texts = {token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
+    texts |= set(tokenizer.all_special_tokens)
+    if not texts:
+        return re.compile("(?!)")  # (matches nothing; an empty alternation would match everywhere)
+    return re.compile("|".join(map(re.escape, sorted(texts, key=len, reverse=True))))
+

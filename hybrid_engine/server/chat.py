@@ -3,7 +3,7 @@ import functools
 import re
 import secrets
 import uuid
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from starlette.responses import Response
 
@@ -16,6 +16,7 @@ from hybrid_engine.server.protocol import (AssistantMessage, ChatChoice, ChatChu
                                            ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatMessage,
                                            DeltaMessage, TokenLogprob, TopLogprob)
 from hybrid_engine.server.serving import OpenAIServing, logprob_rows, render_off_loop, usage
+from hybrid_engine.tokenizer import special_token_pattern
 
 # Message texts stand in the rendered template as "<_MARK>nonce-n<_MARK>": a private-use
 # character around a random nonce drawn for each request, so that no client text (a tool
@@ -111,15 +112,15 @@ class ChatHandler(OpenAIServing):
             parsed = call.template_dict()["function"]["arguments"]
             fields += [(f"tool_calls.{j}.function.arguments", text) for text in _strings_in(parsed)]
         for field, text in fields:
-            token = next((t for t in self._special_tokens if text and t in text), None)
-            if token is not None:
+            found = self._special_tokens.search(text) if text else None
+            if found is not None:
                 param = f"messages.{index}.{field}"
-                raise APIError(f"{param} must not contain the special token {token!r}", param=param,
+                raise APIError(f"{param} must not contain the special token {found.group()!r}", param=param,
                                code="invalid_value")
 
     @functools.cached_property
-    def _special_tokens(self) -> tuple[str, ...]:
-        return special_token_texts(self.info.tokenizer)
+    def _special_tokens(self) -> re.Pattern[str]:
+        return special_token_pattern(self.info.tokenizer)
 
     def _tokenize(self, text: str, plain_text: bool) -> list[int]:
         """Token ids of part of a chat prompt (400 naming "messages" if it is not valid text)."""
@@ -160,15 +161,6 @@ class ChatHandler(OpenAIServing):
     def _entry(self, token_id: int, logprob: float) -> dict:
         return {"token": self.texts.token_text(token_id), "logprob": logprob,
                 "bytes": list(self.texts.token_bytes(token_id))}
-
-
-def special_token_texts(tokenizer: Any) -> tuple[str, ...]:
-    """The texts that markup turns into a token and a placeholder's text (tokenized with
-    split_special_tokens) does not: every added token marked special, not only the named
-    ones of `all_special_tokens` (Llama 3's <|start_header_id|> is special in
-    `added_tokens_decoder` and named nowhere)."""
-    added = {token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
-    return tuple(sorted(added | set(tokenizer.all_special_tokens)))
 
 
 def _strings_in(value: object) -> list[str]:

@@ -252,10 +252,10 @@ class ChatMessage(StrictModel):
         for i, part in enumerate(value):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind != "text":
-                raise ValueError(f"only text content parts are supported, got {kind!r} (part {i})")
+                raise ValueError(f"only text content parts are supported, got {clipped(repr(kind))} (part {i})")
             unknown = sorted(set(part) - set(TextPart.model_fields))
             if unknown:
-                raise ValueError(f"content part {i} has unrecognized keys {unknown}")
+                raise ValueError(f"content part {i} has unrecognized keys {clipped(repr(unknown))}")
             if not isinstance(part.get("text"), str):
                 raise ValueError(f"content part {i} needs a 'text' string")
         return value

@@ -34,7 +34,7 @@ from hybrid_engine.sampling import derive_seed
 from hybrid_engine.sampling_params import SamplingParams
 from hybrid_engine.server.async_llm import AsyncLLM, EngineUnavailable, Generation, RequestFailed
 from hybrid_engine.server.engine_core import QueueFull
-from hybrid_engine.server.errors import RATE_LIMIT, SERVER_ERROR, APIError, invalid_input
+from hybrid_engine.server.errors import RATE_LIMIT, SERVER_ERROR, APIError, clipped, invalid_input
 from hybrid_engine.server.protocol import (ChatCompletionResponse, CompletionResponse, PromptTokensDetails,
                                            SamplingRequest, UsageInfo)
 from hybrid_engine.tokenizer import TokenBytes
@@ -230,7 +230,8 @@ class OpenAIServing:
     def check_model(self, model: str | None) -> None:
         """404 unless `model` is absent or the served name."""
         if model is not None and model != self.served_model_name:
-            raise APIError(f"the model {model!r} does not exist; this server serves {self.served_model_name!r}",
+            raise APIError(f"the model {clipped(repr(model))} does not exist; this server serves "
+                           f"{self.served_model_name!r}",
                            status=404, param="model", code="model_not_found")
 
     def prompt_ids(self, prompt: str | list[int], param: str, add_special_tokens: bool = True) -> list[int]:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import AddedToken
 
 from hybrid_engine.tokenizer import (
     BOS_ID,
@@ -17,6 +18,7 @@ from hybrid_engine.tokenizer import (
     PAD_ID,
     build_byte_tokenizer,
     load_tokenizer,
+    special_token_pattern,
 )
 
 
@@ -116,3 +118,20 @@ def test_load_tokenizer_broken_files_raise(tmp_path: Path):
 def test_load_tokenizer_not_a_directory(tmp_path: Path):
     with pytest.raises(NotADirectoryError):
         load_tokenizer(str(tmp_path / "missing"))
+
+
+def test_special_token_pattern_finds_unnamed_special_tokens():
+    """An added token marked special but named nowhere (as Llama 3's <|start_header_id|>) is
+    found by `special_token_pattern`, as the named ones are: markup would turn its text
+    into the token itself. A non-special added token is not (plain text yields it too)."""
+    tokenizer = build_byte_tokenizer()
+    header = "<|start_header_id|>"
+    tokenizer.add_tokens([AddedToken(header, special=True), AddedToken("<plain>", special=False)])
+    assert header not in tokenizer.all_special_tokens  # (what the chat guard used to check alone)
+    assert len(tokenizer.encode(header, add_special_tokens=False)) == 1  # markup: the token
+    assert len(tokenizer.encode(header, add_special_tokens=False, split_special_tokens=True)) > 1  # plain text
+    pattern = special_token_pattern(tokenizer)
+    assert pattern.search(f"a{header}b").group() == header
+    assert all(pattern.search(f"x{token}") for token in tokenizer.all_special_tokens)
+    assert pattern.search("a <plain> b <|start_header_id| >") is None
+

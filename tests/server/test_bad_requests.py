@@ -179,14 +179,17 @@ LONG = "k" * 100_000
      "invalid_value"),  # a content part's type
     (COMPLETIONS, {"prompt": "a", "stop_token_ids": [-1] * 100_000}, "stop_token_ids", "invalid_value"),  # the
     # library's own check (`SamplingParams`)
+    (COMPLETIONS, {"prompt": "a", "model": LONG}, "model", "model_not_found"),  # a model name (a 404)
 ])
 def test_a_sent_value_is_not_echoed_whole(server: Server, path, body, param, code):
     """An error names a large value the client sent (refused, or a field name or key) and
     stays short instead of repeating it (at most `errors.MAX_ECHOED_CHARS` of it)."""
     response = httpx.post(f"{server.url}{path}", json=body, timeout=30)
-    error = assert_error_body(response, 400)
+    error = assert_error_body(response, 404 if code == "model_not_found" else 400)
     assert error["param"] == param and error["code"] == code
     assert len(response.content) < 1_000, len(response.content)
+    if isinstance(body.get("messages", [{}])[0].get("content"), list):  # the value is clipped, not the locator
+        assert error["message"].endswith("(part 0)"), error["message"]
     server.assert_healthy()
 
 
