@@ -9,7 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
 from hybrid_engine.server.async_llm import AsyncLLM
-from hybrid_engine.server.bodies import document_bodies, parse_body
+from hybrid_engine.server.bodies import document_bodies, read_body
 from hybrid_engine.server.chat import ChatHandler
 from hybrid_engine.server.completions import CompletionsHandler
 from hybrid_engine.server.errors import install_error_handlers
@@ -72,17 +72,21 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None, limits: Serve
     completions = CompletionsHandler(llm, model_name, tokenizer_thread, texts)
     chat = ChatHandler(llm, model_name, tokenizer_thread, texts)
 
+    async def generate(request: Request, handler: CompletionsHandler | ChatHandler) -> Response:
+        # The body is read before the disconnect watcher starts (both read the same stream);
+        # all after it, decoding included, is cancelled if the client leaves.
+        raw = await read_body(request)
+        return await cancel_on_disconnect(request, handler.create(raw, request.headers.get("content-type")))
+
     @app.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
         """OpenAI completions (text or token-id prompts)."""
-        body = await parse_body(request, CompletionRequest, tokenizer_thread)
-        return await cancel_on_disconnect(request, completions.create(body))
+        return await generate(request, completions)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
         """OpenAI chat completions."""
-        body = await parse_body(request, ChatCompletionRequest, tokenizer_thread)
-        return await cancel_on_disconnect(request, chat.create(body))
+        return await generate(request, chat)
 
     def model_card() -> ModelCard:
         return ModelCard(id=model_name, root=llm.info.model_name, max_model_len=llm.info.max_request_tokens)

@@ -1,12 +1,13 @@
-"""Request bodies: decoded and validated off the event loop, failing as FastAPI would.
+"""Request bodies: read on the event loop, decoded and validated off it, failing as FastAPI
+would.
 
 The two generating routes read their JSON bodies themselves instead of declaring a body
 parameter: FastAPI would decode and validate on the event loop, and a body of megabytes
 (two million one-token prompts fit in 8 MB) holds the loop for seconds, stalling /health
-and every other client (docs/server.md, "Limits"). Here the work runs on the tokenizer
-thread's lanes (`serving.TokenizerThread`): a large body on the lane for large requests,
-so it holds up no small one and at most one is decoded at a time (a decoded 8 MB body
-takes about 360 MB). The errors raised are the ones FastAPI's body parameter raises, so
+and every other client (docs/server.md, "Limits"). The route reads the bytes
+(`read_body`), and the handler decodes and validates them (`validated`) in the same job on
+the tokenizer thread that builds the engine inputs (`serving.OpenAIServing.prepare`). The
+errors raised are the ones FastAPI's body parameter raises, so
 `errors.install_error_handlers` answers alike, and `document_bodies` puts the request
 models back into the OpenAPI schema.
 """
@@ -18,9 +19,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
-from hybrid_engine.server.serving import TokenizerThread
-
-Body = TypeVar("Body", bound=BaseModel)
+Model = TypeVar("Model", bound=BaseModel)
 _NO_BODY = object()
 _UNPARSEABLE = "There was an error parsing the body"  # (FastAPI's own 400 detail)
 
@@ -42,8 +41,9 @@ def _decoded(raw: bytes, content_type: str | None) -> object:
     return json.loads(raw)
 
 
-def _validated(model: type[Body], raw: bytes, content_type: str | None) -> Body:
-    """Decode and validate a body, raising what FastAPI's own body parameter would."""
+def validated(model: type[Model], raw: bytes, content_type: str | None) -> Model:
+    """A body decoded and validated as `model`, raising what FastAPI's own body parameter
+    would (a RequestValidationError, or its 400 for a body it cannot parse)."""
     try:
         body = _decoded(raw, content_type)
     except json.JSONDecodeError as exc:
@@ -59,22 +59,20 @@ def _validated(model: type[Body], raw: bytes, content_type: str | None) -> Body:
         raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in exc.errors()]) from exc
 
 
-async def parse_body(request: Request, model: type[Body], threads: TokenizerThread) -> Body:
-    """The request's JSON body as `model`, decoded and validated on `threads` (the lane for
-    its size: a body's bytes bound its characters). A body that cannot be read (the client
-    left, or `limits.BodySizeLimit` refused it) is FastAPI's 400, as with its own body
-    parameter; a middleware's HTTPException passes through."""
+async def read_body(request: Request) -> bytes:
+    """The request's body. One that cannot be read (the client left, or
+    `limits.BodySizeLimit` refused it) is FastAPI's 400, as with its own body parameter; a
+    middleware's HTTPException passes through."""
     try:
-        raw = await request.body()
+        return await request.body()
     except HTTPException:
         raise
     except Exception as exc:
         raise HTTPException(status_code=400, detail=_UNPARSEABLE) from exc
-    return await threads.run(_validated, model, raw, request.headers.get("content-type"), text_chars=len(raw))
 
 
 def document_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
-    """Put the request models of the POST routes that read their own bodies (`parse_body`)
+    """Put the request models of the POST routes that read their own bodies (`read_body`)
     into the app's OpenAPI schema (/docs and /openapi.json), where FastAPI would have put
     them: FastAPI's own schema, with each route's request body added."""
     def openapi() -> dict:

@@ -9,13 +9,12 @@ from starlette.responses import Response
 
 from hybrid_engine.prompts import encode_prompt
 from hybrid_engine.request import RequestOutput
-from hybrid_engine.sampling_params import SamplingParams
 from hybrid_engine.server.async_llm import Generation
 from hybrid_engine.server.errors import APIError, invalid_input
 from hybrid_engine.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                            ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatMessage,
                                            DeltaMessage, TokenLogprob, TopLogprob)
-from hybrid_engine.server.serving import OpenAIServing, logprob_rows, render_off_loop, usage
+from hybrid_engine.server.serving import EngineInputs, OpenAIServing, logprob_rows, render_off_loop, usage
 from hybrid_engine.tokenizer import special_token_pattern
 
 # Message texts stand in the rendered template as "<_MARK>nonce-n<_MARK>": a private-use
@@ -25,27 +24,28 @@ from hybrid_engine.tokenizer import special_token_pattern
 _MARK = "\ue000"
 
 
-class ChatHandler(OpenAIServing):
+class ChatHandler(OpenAIServing[ChatCompletionRequest]):
     """Serves chat completions (`n` choices), streamed or not, with the chat logprobs format."""
 
-    async def create(self, request: ChatCompletionRequest) -> Response:
-        """Validate, run, and answer one chat completions request."""
-        self.check_model(request.model)
-        self.check_num_prompts(1, request.n)
-        prompt, params = await self.tokenizer_thread.run(self._engine_input, request, text_chars=request.text_chars())
+    body_model = ChatCompletionRequest
+
+    async def create(self, raw: bytes, content_type: str | None) -> Response:
+        """Validate, run, and answer one chat completions request (its body's bytes)."""
+        request, inputs = await self.prepare(raw, content_type)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        generation = await self.submit(request_id, self.choices([(prompt, params)], request.n))
+        generation = await self.submit(request_id, self.choices(inputs, request.n))
         if request.stream:
             return self.stream(generation, self._chunks(request, request_id, generation))
         finals = await self.collect(generation, request.n)
         return await render_off_loop(lambda: self._response(request, request_id, finals))
 
-    def _engine_input(self, request: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+    def engine_inputs(self, request: ChatCompletionRequest) -> EngineInputs:
         """The rendered prompt's token ids and the params, checked (on the tokenizer thread)."""
+        self.check_num_prompts(1, request.n)
         prompt = self.prompt_ids(self._encode(request.messages), "messages")
         max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-        return prompt, self.sampling_params(request, len(prompt), request.requested_max_tokens, max_param,
-                                            request.num_logprobs)
+        return [(prompt, self.sampling_params(request, len(prompt), request.requested_max_tokens, max_param,
+                                              request.num_logprobs))]
 
     def _response(self, request: ChatCompletionRequest, request_id: str,
                   finals: list[RequestOutput]) -> ChatCompletionResponse:

@@ -5,21 +5,20 @@ from typing import AsyncIterator
 from starlette.responses import Response
 
 from hybrid_engine.request import RequestOutput
-from hybrid_engine.sampling_params import SamplingParams
 from hybrid_engine.server.async_llm import Generation
 from hybrid_engine.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
-from hybrid_engine.server.serving import OpenAIServing, logprob_rows, render_off_loop, usage
+from hybrid_engine.server.serving import EngineInputs, OpenAIServing, logprob_rows, render_off_loop, usage
 
 
-class CompletionsHandler(OpenAIServing):
+class CompletionsHandler(OpenAIServing[CompletionRequest]):
     """Serves legacy completions, streamed or not, with OpenAI's legacy logprobs format."""
 
-    async def create(self, request: CompletionRequest) -> Response:
-        """Validate, run, and answer one completions request."""
-        self.check_model(request.model)
-        self.check_num_prompts(len(request.prompt), request.n)
-        requests = self.choices(await self.tokenizer_thread.run(self._engine_inputs, request,
-                                                                text_chars=request.text_chars()), request.n)
+    body_model = CompletionRequest
+
+    async def create(self, raw: bytes, content_type: str | None) -> Response:
+        """Validate, run, and answer one completions request (its body's bytes)."""
+        request, inputs = await self.prepare(raw, content_type)
+        requests = self.choices(inputs, request.n)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         generation = await self.submit(request_id, requests)
         if request.stream:
@@ -27,8 +26,9 @@ class CompletionsHandler(OpenAIServing):
         finals = await self.collect(generation, len(requests))
         return await render_off_loop(lambda: self._response(request, request_id, finals))
 
-    def _engine_inputs(self, request: CompletionRequest) -> list[tuple[list[int], SamplingParams]]:
+    def engine_inputs(self, request: CompletionRequest) -> EngineInputs:
         """(prompt token ids, params) per prompt, checked (on the tokenizer thread)."""
+        self.check_num_prompts(len(request.prompt), request.n)
         prompts = [self.prompt_ids(p, "prompt") for p in request.prompt]
         return [(ids, self.sampling_params(request, len(ids), request.max_tokens, "max_tokens", request.logprobs))
                 for ids in prompts]

@@ -156,10 +156,6 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False  # only false: the prompt is not repeated in the output
     best_of: int = 1  # only 1: no server-side best-of selection (n choices are all returned)
 
-    def text_chars(self) -> int:
-        """Characters of text the tokenizer thread must encode (token-id prompts: none)."""
-        return sum(len(prompt) for prompt in self.prompt if isinstance(prompt, str))
-
     @field_validator("echo")
     @classmethod
     def _no_echo(cls, value: bool) -> bool:
@@ -313,17 +309,6 @@ class ChatCompletionRequest(SamplingRequest):
     response_format: ResponseFormat | None = None
     store: bool = False
     metadata: dict[str, str] = Field(default_factory=dict)
-
-    def text_chars(self) -> int:
-        """Characters of text the chat template and the tokenizer thread must go through."""
-        total = 0
-        for message in self.messages:
-            content = message.content
-            total += len(content) if isinstance(content, str) else sum(len(part.text) for part in content)
-            total += len(message.name or "") + len(message.tool_call_id or "")
-            for call in message.tool_calls or ():
-                total += len(call.id) + len(call.function.name) + len(call.function.arguments)
-        return total
 
     @field_validator("store")
     @classmethod

@@ -20,7 +20,7 @@ import logging
 import math
 import threading
 from dataclasses import replace
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import Any, AsyncIterator, Callable, Generic, TypeVar
 
 from pydantic import BaseModel
 from pydantic_core import to_json
@@ -33,6 +33,7 @@ from hybrid_engine.request import RequestOutput
 from hybrid_engine.sampling import derive_seed
 from hybrid_engine.sampling_params import SamplingParams
 from hybrid_engine.server.async_llm import AsyncLLM, EngineUnavailable, Generation, RequestFailed
+from hybrid_engine.server.bodies import validated
 from hybrid_engine.server.engine_core import QueueFull
 from hybrid_engine.server.errors import RATE_LIMIT, SERVER_ERROR, APIError, clipped, invalid_input
 from hybrid_engine.server.protocol import (ChatCompletionResponse, CompletionResponse, PromptTokensDetails,
@@ -95,20 +96,22 @@ def _sse(payload: BaseModel | dict) -> str:
     return f"data: {data}\n\n"
 
 
-# Requests with more text than this go to the tokenizer thread's second lane, so that a
-# prompt of megabytes (seconds to encode) never holds up the ordinary requests behind it.
-LARGE_TEXT_CHARS = 1 << 16
+# Requests with a larger body go to the tokenizer thread's second lane, so that a prompt of
+# megabytes (seconds to encode) never holds up the ordinary requests behind it. By the body's
+# bytes, which bound its characters of text and its messages (each one template work).
+LARGE_REQUEST_BYTES = 1 << 16
 
 
 class TokenizerThread:
-    """The threads on which the HTTP server decodes request bodies (`bodies.parse_body`),
-    tokenizes prompts and renders chat templates: one for requests of up to
-    LARGE_TEXT_CHARS characters of text, one for larger ones, each with a tokenizer copy of
-    its own (`tokenizer`, on that thread) that nothing else uses.
+    """The threads on which the HTTP server turns request bodies into engine inputs
+    (`OpenAIServing.prepare`: decoding the JSON, validating it, rendering chat templates,
+    tokenizing), one job per request: one thread for bodies of up to LARGE_REQUEST_BYTES,
+    one for larger ones, each with a tokenizer copy of its own (`tokenizer`, on that thread)
+    that nothing else uses.
 
-    Off the event loop, so that a prompt of megabytes (seconds to encode) stalls no one
-    else; two lanes, so that it does not hold up the small requests behind it either
-    (docs/server.md, Limits), and so that one large request at a time takes the memory
+    Off the event loop, so that a body of megabytes (seconds to decode and encode) stalls no
+    one else; two lanes, so that it does not hold up the small requests behind it either
+    (docs/server.md, Limits), and so that one large request at a time takes the memory that
     its decoding and encoding need; one thread per copy, because encoding can change the
     tokenizer (transformers sets the Rust tokenizer's `encode_special_tokens` per call),
     which must not happen while another thread uses it. Work still queued when its client
@@ -133,9 +136,9 @@ class TokenizerThread:
         except AttributeError:
             raise RuntimeError("TokenizerThread.tokenizer is only available on a tokenizer thread") from None
 
-    async def run(self, fn: Callable[..., T], *args: Any, text_chars: int = 0) -> T:
-        """`fn(*args)` on the lane for a request with `text_chars` characters of text."""
-        lane = self._lanes[text_chars > LARGE_TEXT_CHARS]
+    async def run(self, fn: Callable[..., T], *args: Any, body_bytes: int) -> T:
+        """`fn(*args)` on the lane for a request body of `body_bytes`."""
+        lane = self._lanes[body_bytes > LARGE_REQUEST_BYTES]
         return await asyncio.get_running_loop().run_in_executor(lane, fn, *args)
 
     def close(self) -> None:
@@ -216,15 +219,39 @@ async def render_off_loop(build: Callable[[], CompletionResponse | ChatCompletio
     return await asyncio.to_thread(render)
 
 
-class OpenAIServing:
-    """Base of the endpoint handlers: turns requests into engine inputs, outputs into responses.
+EngineInputs = list[tuple[list[int], SamplingParams]]  # (prompt token ids, params) per prompt
+Body = TypeVar("Body", bound=SamplingRequest)
 
-    `prompt_ids`, `sampling_params` (and what calls them) run on `tokenizer_thread`."""
+
+class OpenAIServing(Generic[Body]):
+    """Base of the endpoint handlers: turns request bodies into engine inputs, outputs into
+    responses.
+
+    `prepare` runs on `tokenizer_thread`, and with it `engine_inputs`, `prompt_ids`,
+    `sampling_params` and what calls them."""
+
+    body_model: type[Body]  # the endpoint's request model
 
     def __init__(self, llm: AsyncLLM, served_model_name: str, tokenizer_thread: TokenizerThread,
                  texts: TokenTexts):
         self.llm, self.info, self.served_model_name = llm, llm.info, served_model_name
         self.tokenizer_thread, self.texts = tokenizer_thread, texts
+
+    async def prepare(self, raw: bytes, content_type: str | None) -> tuple[Body, EngineInputs]:
+        """The request (the body decoded and validated, `bodies.validated`) and its engine
+        inputs, built in one job on the tokenizer lane for the body's size: the decoded body
+        is not kept waiting for a second turn on the lane, and the job is dropped if the
+        client leaves while it is queued."""
+        return await self.tokenizer_thread.run(self._prepared, raw, content_type, body_bytes=len(raw))
+
+    def _prepared(self, raw: bytes, content_type: str | None) -> tuple[Body, EngineInputs]:
+        request = validated(self.body_model, raw, content_type)
+        self.check_model(request.model)
+        return request, self.engine_inputs(request)
+
+    def engine_inputs(self, request: Body) -> EngineInputs:
+        """(prompt token ids, params) per prompt, checked (on the tokenizer thread)."""
+        raise NotImplementedError
 
     # ---- request checks ----------------------------------------------------------------
     def check_model(self, model: str | None) -> None:

@@ -1,19 +1,13 @@
 """The OpenAI-compatible endpoints through the official `openai` client (and httpx)."""
-import asyncio
-import threading
-
 import httpx
 import openai
 import pytest
 from fastapi import HTTPException
 from fastapi.exceptions import RequestValidationError
-from pydantic import field_validator
-from starlette.requests import Request
 
 from hybrid_engine import LLM, SamplingParams
-from hybrid_engine.server.bodies import parse_body
+from hybrid_engine.server.bodies import validated
 from hybrid_engine.server.protocol import CompletionRequest
-from hybrid_engine.server.serving import LARGE_TEXT_CHARS, TokenizerThread
 from hybrid_engine.sampling import derive_seed
 from hybrid_engine.tokenizer import build_byte_tokenizer
 from tests.server.conftest import MAX_MODEL_LEN, Server
@@ -398,47 +392,21 @@ def test_completion_top_logprobs_has_every_alternative(server: Server):
     assert "\ufffd" not in "".join(keys)
 
 
-def test_bodies_are_decoded_and_validated_off_the_event_loop():
-    """`parse_body` decodes and validates on the tokenizer thread's lanes, not the loop's (a
-    body of megabytes takes seconds), a large body on the lane of large requests (so one at
-    a time), and its errors are the ones FastAPI's body parameter raises."""
-    threads = []
-    lanes = TokenizerThread(None)
-
-    class Recorded(CompletionRequest):
-        @field_validator("prompt")
-        @classmethod
-        def _record(cls, value):
-            threads.append(threading.current_thread())
-            return value
-
-    def request(raw: bytes, content_type: str | None = "application/json"):
-        async def receive():
-            return {"type": "http.request", "body": raw, "more_body": False}
-        headers = [] if content_type is None else [(b"content-type", content_type.encode())]
-        return Request({"type": "http", "method": "POST", "headers": headers}, receive)
-
-    async def run():
-        body = await parse_body(request(b'{"prompt": "a", "max_tokens": 2}'), Recorded, lanes)
-        large = await parse_body(request(b'{"prompt": "%s"}' % (b"a" * LARGE_TEXT_CHARS)), Recorded, lanes)
-        assert body.max_tokens == 2 and len(large.prompt[0]) == LARGE_TEXT_CHARS
-        assert [thread.name.rsplit("_", 1)[0] for thread in threads] == ["tokenizer", "tokenizer-large"]
-        errors = []
-        for raw, content_type in ((b'{"prompt": ', "application/json"), (b"", "application/json"),
-                                  (b'{"prompt": "a", "max_tokens": "x"}', "application/json"),
-                                  (b"prompt=a", "text/plain"),
-                                  (b"[" * 100_000 + b"]" * 100_000, "application/json"),
-                                  (b'{"prompt": "a"}', None), (b"null", "application/json")):
-            try:
-                await parse_body(request(raw, content_type), CompletionRequest, lanes)
-            except (RequestValidationError, HTTPException) as exc:
-                errors.append(exc)
-        return errors
-
-    try:
-        errors = asyncio.run(run())
-    finally:
-        lanes.close()
+def test_body_errors_are_fastapis():
+    """`bodies.validated` (which decodes bodies on the tokenizer thread; the lanes:
+    tests/server/test_robustness.py) raises the errors FastAPI's body parameter raises: bad
+    JSON, no body, a wrong type, a body that is no JSON (another Content-Type, none, or JSON
+    null), a body too deep to parse (its 400)."""
+    assert validated(CompletionRequest, b'{"prompt": "a", "max_tokens": 2}', "application/json").max_tokens == 2
+    errors = []
+    for raw, content_type in ((b'{"prompt": ', "application/json"), (b"", "application/json"),
+                              (b'{"prompt": "a", "max_tokens": "x"}', "application/json"),
+                              (b"prompt=a", "text/plain"),
+                              (b"[" * 100_000 + b"]" * 100_000, "application/json"),
+                              (b'{"prompt": "a"}', None), (b"null", "application/json")):
+        with pytest.raises((RequestValidationError, HTTPException)) as caught:
+            validated(CompletionRequest, raw, content_type)
+        errors.append(caught.value)
     kinds = [e.errors()[0]["type"] if isinstance(e, RequestValidationError) else e.status_code for e in errors]
     assert kinds[:3] == ["json_invalid", "missing", "int_type"] and kinds[3].endswith("_type") and kinds[4] == 400
     assert kinds[5].endswith("_type") and kinds[6].endswith("_type")  # no Content-Type; a JSON null

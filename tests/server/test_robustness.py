@@ -1,13 +1,16 @@
 """Client disconnects free engine resources; failures stay contained to what failed."""
+import asyncio
 import json
 import threading
+from dataclasses import dataclass
+from typing import Iterator
 
 import httpx
 import pytest
 
-from hybrid_engine.server import chat, serving
-from hybrid_engine.server.serving import LARGE_TEXT_CHARS
-from tests.server.conftest import FaultyEngine, Server, wait_until
+from hybrid_engine.server import serving
+from hybrid_engine.server.serving import LARGE_REQUEST_BYTES
+from tests.server.conftest import FaultyEngine, Server, json_request, raw_connect, wait_until
 
 LONG = {"prompt": "a long one", "max_tokens": 100, "ignore_eos": True}
 
@@ -98,37 +101,102 @@ def test_add_failure_fails_only_that_request(server: Server, engine_switches: Fa
     server.assert_healthy()
 
 
+@dataclass
+class HeldLane:
+    """`large_lane`: set when a job reached the lane; set to let the jobs go on; the bodies
+    of the jobs that started."""
+
+    entered: threading.Event
+    release: threading.Event
+    bodies: list[bytes]
+
+
+@pytest.fixture
+def large_lane(monkeypatch) -> Iterator[HeldLane]:
+    """Jobs on the tokenizer thread's large lane held at their start until released."""
+    held = HeldLane(threading.Event(), threading.Event(), [])
+    real_validated = serving.validated
+
+    def held_validated(model, raw, content_type):
+        if threading.current_thread().name.startswith("tokenizer-large"):
+            held.bodies.append(raw)
+            held.entered.set()
+            assert held.release.wait(60), "the test never released the large lane"
+        return real_validated(model, raw, content_type)
+
+    monkeypatch.setattr(serving, "validated", held_validated)
+    try:
+        yield held
+    finally:
+        held.release.set()
+
+
 @pytest.mark.parametrize("path, large_body, small_body", [
-    ("/v1/completions", {"prompt": "a" * (LARGE_TEXT_CHARS + 1), "max_tokens": 1},
+    ("/v1/completions", {"prompt": "a" * (LARGE_REQUEST_BYTES + 1), "max_tokens": 1},
      {"prompt": "hi", "max_tokens": 1}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * (LARGE_TEXT_CHARS + 1)}], "max_tokens": 1},
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * (LARGE_REQUEST_BYTES + 1)}],
+                              "max_tokens": 1},
+     {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+    # hardly any text, but a template to render for each of 3,000 messages
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}] * 3_000, "max_tokens": 1},
      {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
 ])
-def test_large_prompt_does_not_hold_up_small_ones(server: Server, monkeypatch, path, large_body, small_body):
-    """A request with more text than LARGE_TEXT_CHARS is tokenized on a lane of its own: while
-    its encoding is held (here on purpose, as a prompt of megabytes takes seconds), a small
-    request is answered. With one tokenizer thread the small one would wait behind it and
-    time out here."""
-    entered, release = threading.Event(), threading.Event()
-    real_encode = serving.encode_prompt if path == "/v1/completions" else chat.encode_prompt
-
-    def held_encode(prompt, *args, **kwargs):
-        if isinstance(prompt, str) and len(prompt) > LARGE_TEXT_CHARS:
-            entered.set()
-            assert release.wait(60), "the test never released the large prompt"
-        return real_encode(prompt, *args, **kwargs)
-
-    monkeypatch.setattr(serving if path == "/v1/completions" else chat, "encode_prompt", held_encode)
+def test_large_body_does_not_hold_up_small_ones(server: Server, large_lane: HeldLane, path, large_body, small_body):
+    """A body over LARGE_REQUEST_BYTES is decoded, validated and tokenized on a lane of its
+    own: while that job is held (here on purpose, as a body of megabytes takes seconds), a
+    small request is answered. With one tokenizer thread the small one would wait behind it
+    and time out here, and on the event loop /health would too."""
+    entered, release = large_lane.entered, large_lane.release
     large: dict[str, httpx.Response] = {}
     sender = threading.Thread(target=lambda: large.update(r=httpx.post(f"{server.url}{path}", json=large_body,
                                                                        timeout=90)))
     sender.start()
     try:
-        assert entered.wait(30), "the large request never reached its encoding"
+        assert entered.wait(30), "the large body never reached the large lane"
         small = httpx.post(f"{server.url}{path}", json=small_body, timeout=30)
         assert small.status_code == 200, small.text
+        server.assert_healthy()
         assert "r" not in large  # still held: the small one did not wait for it
     finally:
         release.set()
         sender.join(90)
     assert large["r"].status_code == 400 and large["r"].json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_a_queued_body_is_dropped_when_its_client_leaves(server: Server, large_lane: HeldLane, monkeypatch):
+    """A large body waiting for the large lane is never decoded if its client hangs up first:
+    the job is cancelled with the request (`cancel_on_disconnect`), so abandoned bodies do
+    not hold up the ones behind them."""
+    jobs: list[asyncio.Future] = []
+    real_run = serving.TokenizerThread.run
+
+    async def recorded_run(self, fn, *args, body_bytes):
+        jobs.append(asyncio.ensure_future(real_run(self, fn, *args, body_bytes=body_bytes)))
+        return await jobs[-1]
+
+    monkeypatch.setattr(serving.TokenizerThread, "run", recorded_run)
+    posted: list[httpx.Response] = []
+
+    def post(letter: str) -> threading.Thread:
+        body = {"prompt": letter * (LARGE_REQUEST_BYTES + 1), "max_tokens": 1}
+        sender = threading.Thread(target=lambda: posted.append(httpx.post(f"{server.url}/v1/completions", json=body,
+                                                                          timeout=90)))
+        sender.start()
+        return sender
+
+    senders = [post("a")]
+    try:
+        assert large_lane.entered.wait(30), "the first body never reached the large lane"
+        with raw_connect(server.url) as sock:  # the second: queued behind the first, then its client leaves
+            sock.sendall(json_request("/v1/completions", {"prompt": "b" * (LARGE_REQUEST_BYTES + 1), "max_tokens": 1}))
+            wait_until(lambda: len(jobs) == 2, what="the second body queued")
+        wait_until(lambda: jobs[1].cancelled(), what="the second body's job cancelled")
+        senders.append(post("c"))
+        wait_until(lambda: len(jobs) == 3, what="the third body queued")
+    finally:
+        large_lane.release.set()
+        for sender in senders:
+            sender.join(90)
+    assert [r.status_code for r in posted] == [400, 400]  # (both too long for the model)
+    assert [body[body.index(b'"prompt"'):][10:11] for body in large_lane.bodies] == [b"a", b"c"]
+    server.assert_healthy()
