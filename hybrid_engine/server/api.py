@@ -14,7 +14,7 @@ from hybrid_engine.server.chat import ChatHandler
 from hybrid_engine.server.completions import CompletionsHandler
 from hybrid_engine.server.errors import install_error_handlers
 from hybrid_engine.server.limits import BodySizeLimit, ServerLimits
-from hybrid_engine.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from hybrid_engine.server.protocol import ModelCard, ModelList
 from hybrid_engine.server.serving import TokenizerThread, TokenTexts
 
 # nginx's "client closed request": logged, never seen by the (gone) client.
@@ -91,7 +91,7 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None, limits: Serve
     def model_card() -> ModelCard:
         return ModelCard(id=model_name, root=llm.info.model_name, max_model_len=llm.info.max_request_tokens)
 
-    document_bodies(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest})
+    document_bodies(app, {"/v1/completions": completions.body_model, "/v1/chat/completions": chat.body_model})
 
     @app.get("/v1/models")
     async def list_models() -> Response:

@@ -77,7 +77,7 @@ def document_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
     them: FastAPI's own schema, with each route's request body added."""
     def openapi() -> dict:
         if app.openapi_schema is None:
-            schema = FastAPI.openapi(app)  # (FastAPI's, which it also caches as app.openapi_schema)
+            schema = FastAPI.openapi(app)  # FastAPI's, cached by it as app.openapi_schema: patched in place
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             for path, model in bodies.items():
                 model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
@@ -86,6 +86,5 @@ def document_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
                 ref = {"$ref": f"#/components/schemas/{model.__name__}"}
                 schema["paths"][path]["post"]["requestBody"] = {"required": True,
                                                                 "content": {"application/json": {"schema": ref}}}
-            app.openapi_schema = schema
         return app.openapi_schema
     app.openapi = openapi
