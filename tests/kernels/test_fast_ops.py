@@ -192,18 +192,21 @@ def test_logits_argmax_falls_back_to_the_reference() -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33])  # 33: past MAX_ROWS, F.linear
-@pytest.mark.parametrize("shape", [(40000, 300), (100, 300), (64, 1536), (1536, 3072), (640, 512)])  # (N, K)
+@pytest.mark.parametrize("shape", [(40000, 300), (100, 300), (64, 1536), (1536, 3072), (1664, 1600), (2600, 1024),
+                                   (640, 512)])  # (N, K)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear(rows: int, shape: tuple[int, int], with_bias: bool) -> None:
-    """Every tiling kind (wide, narrow with one slice, K split in 4 or 2) with and without
-    bias, ragged tiles included, against float32; 17-32 rows of a split weight with K <= N
-    (640 x 512) stay with F.linear."""
+    """Every tiling kind (wide, narrow with one slice, deep and square ones with K split,
+    short ones unsplit in 32- and 16-column tiles) with and without bias, ragged tiles
+    included, against float32; 17-32 rows of a weight with K <= N not read in whole
+    64-column slabs (1664 x 1600 split, 2600 x 1024 and 640 x 512 narrow) stay with F.linear."""
     n, k = shape
     x = randn(rows, k, dtype=LOW)
     weight = randn(n, k, dtype=LOW, scale=k ** -0.5)
     bias = randn(n, dtype=LOW) if with_bias else None
-    split_and_not_deep = linear.tiling(n, k).split > 1 and k <= n
-    assert linear.takes_kernel(x, weight, bias) == (rows <= 16 or (rows <= linear.MAX_ROWS and not split_and_not_deep))
+    tiles = linear.tiling(n, k)
+    cublas_past_one_tile = k <= n and not (tiles.split == 1 and tiles.block_n == 64)
+    assert linear.takes_kernel(x, weight, bias) == (rows <= 16 or (rows <= linear.MAX_ROWS and not cublas_past_one_tile))
     expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     out = linear.linear(x, weight, bias)
     assert out.dtype == LOW
@@ -218,8 +221,15 @@ def test_linear_tiling() -> None:
     """Narrow weights split K (into slices of at least MIN_SLICE columns, within
     MAX_SPLIT_PROGRAMS programs), wide ones never do; a deep weight (N < K <= 4,096) of few
     column tiles takes more slices, toward DEEP_TARGET_PROGRAMS programs; 256-column K steps
-    only for slices of 4,096 columns or more in whole steps."""
+    only for slices of 4,096 columns or more in whole steps; a short weight no deeper than
+    wide that 64-column tiles cut into few tiles is read unsplit in narrower ones."""
     assert linear.tiling(100352, 1536) == linear.Tiling(64, 128, 1)
+    assert linear.tiling(4096, 1024) == linear.Tiling(32, 128, 1)  # 64 tiles of 64 columns, 128 of 32
+    assert linear.tiling(2560, 1536) == linear.Tiling(32, 128, 1)
+    assert linear.tiling(1536, 1024) == linear.Tiling(16, 256, 1)  # 48 tiles of 32 columns: 16 wide
+    assert linear.tiling(1024, 1024) == linear.Tiling(16, 256, 1)
+    assert linear.tiling(6176, 1024) == linear.Tiling(64, 128, 1)  # 97 tiles of 64: as before
+    assert linear.tiling(2048, 2048) == linear.Tiling(64, 128, 4)  # longer than SHORT_K: split as before
     assert linear.tiling(256, 2688) == linear.Tiling(32, 128, 8)
     assert linear.tiling(18560, 4096) == linear.Tiling(64, 256, 1)
     assert linear.tiling(4096, 8192) == linear.Tiling(64, 256, 2)  # deeper than 4,096: no deep rule
@@ -228,7 +238,7 @@ def test_linear_tiling() -> None:
     assert linear.tiling(1536, 3072) == linear.Tiling(32, 128, 5)
     assert linear.tiling(2688, 4096) == linear.Tiling(32, 128, 3)
     assert linear.tiling(1024, 4096) == linear.Tiling(32, 128, 8)
-    assert linear.tiling(1536, 1536) == linear.Tiling(64, 128, 4)  # square: not deep
+    assert linear.tiling(1664, 1600) == linear.Tiling(64, 128, 4)  # square: not deep
     for n, k in ((1024, 1024), (4096, 21504), (6448, 1536), (64, 1536), (1536, 3072), (2688, 4096), (200, 1000)):
         tiles = linear.tiling(n, k)
         grid = triton.cdiv(n, tiles.block_n) * tiles.split

@@ -37,6 +37,12 @@ MIN_SLICE = 256  # ... and each slice keeps at least this many K columns
 # H200), each slice keeping DEEP_MIN_SLICE columns or more.
 DEEP_TARGET_PROGRAMS = 232
 DEEP_MIN_SLICE = 512
+# A short-rowed weight no deeper than it is wide (K <= SHORT_K, K <= N) that 64-column
+# tiles would cut into fewer than MIN_COLUMN_TILES is read unsplit in 32- or 16-column
+# tiles instead: its slab fits in one or two rounds of loads in flight, and the split's
+# fix-up (partials stored, an arrival, partials read back) costs more than that.
+SHORT_K = 1536
+MIN_COLUMN_TILES = 80
 _DTYPES = (torch.bfloat16, torch.float16)
 # The conv epilogue runs for one row tile: with two, the kernel reached 255 registers and a
 # granite-4.0-h-tiny step at batch 32 took 7.58 ms against 7.41 with the separate conv kernel.
@@ -209,7 +215,10 @@ def _skinny_linear_kernel(
 @functools.lru_cache(maxsize=None)
 def tiling(n: int, k: int) -> Tiling:
     """The tiling of an [n, k] weight, from its shape alone (so a row's result does not
-    depend on how many rows come with it): 32-column tiles up to 1,024 columns or for a deep
+    depend on how many rows come with it). A short weight no deeper than wide (k <= SHORT_K,
+    k <= n) with fewer than MIN_COLUMN_TILES tiles of 64 columns: unsplit, in 32-column tiles
+    if that makes MIN_COLUMN_TILES, else in 16-column tiles with 256-column K steps.
+    Otherwise 32-column tiles up to 1,024 columns or for a deep
     weight (n < k <= 4,096), else 64; K slices doubled while the grid stays within
     MAX_SPLIT_PROGRAMS programs and K / slices stays at MIN_SLICE columns or more (the
     kernel rounds each slice up to whole K steps, so the last one can be shorter, even
@@ -217,7 +226,12 @@ def tiling(n: int, k: int) -> Tiling:
     brings its grid nearer DEEP_TARGET_PROGRAMS (any count, not only powers of two, each of
     DEEP_MIN_SLICE columns or more); 256-column K steps where K / slices is 4,096 or more
     columns in whole steps, else 128. Fitted on the presets' projections at 1 and 32 rows
-    (H100 graph chains; the deep rule on the H200; docs/kernels.md, "Few-row projections")."""
+    (H100 graph chains; the deep and short rules on the H200; docs/kernels.md, "Few-row
+    projections")."""
+    if k <= min(n, SHORT_K) and triton.cdiv(n, 64) < MIN_COLUMN_TILES:
+        if triton.cdiv(n, 32) >= MIN_COLUMN_TILES:
+            return Tiling(32, 128, 1)
+        return Tiling(16, 256, 1)
     deep = n < k <= 4096
     block_n = 32 if n <= 1024 or deep else 64
     col_tiles = triton.cdiv(n, block_n)
@@ -234,8 +248,9 @@ def takes_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """Whether `linear` runs the skinny kernel: 1 to MAX_ROWS rows of bf16/fp16 activations
     whose width is the weight's K, a row-major weight of their dtype, and no bias or a
     contiguous [N] one of their dtype (anything else, errors included, is `F.linear`'s).
-    Past one row tile, a split weight no deeper than it is wide (K <= N) stays with cuBLAS,
-    which measured faster there (each program re-reads its rows for its slice)."""
+    Past one row tile, a weight no deeper than it is wide (K <= N) stays with cuBLAS unless
+    it is read in whole 64-column slabs: with K split, or narrower tiles, each program
+    re-reads the rows about as many bytes as its weight, and cuBLAS measured faster."""
     if weight.dim() != 2 or x.dim() == 0 or not 0 < x.numel() <= MAX_ROWS * x.shape[-1]:
         return False  # (first: a prompt step's many rows are turned away at once)
     n, k = weight.shape
@@ -243,7 +258,8 @@ def takes_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if not (x.dtype in _DTYPES and weight.dtype == x.dtype and x.shape[-1] == k and weight.stride(-1) == 1
             and bias_ok):
         return False
-    return x.numel() <= ROW_TILE * k or k > n or tiling(n, k).split == 1
+    tiles = tiling(n, k)
+    return x.numel() <= ROW_TILE * k or k > n or (tiles.split == 1 and tiles.block_n == 64)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
