@@ -204,8 +204,7 @@ def test_linear(rows: int, shape: tuple[int, int], with_bias: bool) -> None:
     x = randn(rows, k, dtype=LOW)
     weight = randn(n, k, dtype=LOW, scale=k ** -0.5)
     bias = randn(n, dtype=LOW) if with_bias else None
-    tiles = linear.tiling(n, k)
-    cublas_past_one_tile = k <= n and not (tiles.split == 1 and tiles.block_n == 64)
+    cublas_past_one_tile = k <= n and not linear.tiling(n, k).whole_wide_slabs
     assert linear.takes_kernel(x, weight, bias) == (rows <= 16 or (rows <= linear.MAX_ROWS and not cublas_past_one_tile))
     expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     out = linear.linear(x, weight, bias)
@@ -230,6 +229,8 @@ def test_linear_tiling() -> None:
     assert linear.tiling(1024, 1024) == linear.Tiling(16, 256, 1)
     assert linear.tiling(6176, 1024) == linear.Tiling(64, 128, 1)  # 97 tiles of 64: as before
     assert linear.tiling(2048, 2048) == linear.Tiling(64, 128, 4)  # longer than SHORT_K: split as before
+    assert [t.whole_wide_slabs for t in (linear.Tiling(64, 128, 1), linear.Tiling(64, 128, 4),
+                                         linear.Tiling(32, 128, 1), linear.Tiling(16, 256, 1))] == [True, False, False, False]
     assert linear.tiling(256, 2688) == linear.Tiling(32, 128, 8)
     assert linear.tiling(18560, 4096) == linear.Tiling(64, 256, 1)
     assert linear.tiling(4096, 8192) == linear.Tiling(64, 256, 2)  # deeper than 4,096: no deep rule

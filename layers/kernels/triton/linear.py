@@ -58,6 +58,12 @@ class Tiling:
     block_k: int
     split: int
 
+    @property
+    def whole_wide_slabs(self) -> bool:
+        """Unsplit 64-column slabs: the tiling in which a program's rows, past one row tile,
+        still cost little next to its weight slab (`takes_kernel`)."""
+        return self.split == 1 and self.block_n == 64
+
 
 @triton.jit
 def bfloat16_pieces(w):
@@ -258,8 +264,7 @@ def takes_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if not (x.dtype in _DTYPES and weight.dtype == x.dtype and x.shape[-1] == k and weight.stride(-1) == 1
             and bias_ok):
         return False
-    tiles = tiling(n, k)
-    return x.numel() <= ROW_TILE * k or k > n or (tiles.split == 1 and tiles.block_n == 64)
+    return x.numel() <= ROW_TILE * k or k > n or tiling(n, k).whole_wide_slabs
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
