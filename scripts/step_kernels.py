@@ -1,7 +1,8 @@
 """bench_decode.py's `--count-kernels`: the CUDA kernels of one eager decode step under
 torch.profiler, attributed to the layer part (mamba / attention / mlp / moe mixers, the
 norms and residual adds between them, the work outside the layers) whose profiler range
-holds each kernel's host launch, with their GPU time; and the tables that print them.
+holds each kernel's host launch, with their GPU time; the same kernels by name; and the
+tables that print them.
 """
 import gc
 from collections.abc import Iterator
@@ -24,6 +25,8 @@ PART_TYPES = (("mamba", Mamba2Mixer), ("attention", PagedAttention), ("moe", MOE
 LAYER = "layer"
 GLUE, OUTSIDE, UNATTRIBUTED = "norms + residuals (in layers)", "outside layers", "unattributed"
 PARTS = tuple(kind for kind, _ in PART_TYPES) + (GLUE, OUTSIDE, UNATTRIBUTED)
+KERNEL_NAME_CHARS = 80
+TOP_KERNELS = 12  # rows of the by-name table
 
 
 def layer_parts(model: nn.Module) -> list[tuple[nn.Module, str]]:
@@ -76,10 +79,12 @@ class Span:
 
 @dataclass(frozen=True)
 class KernelRun:
-    """One CUDA kernel: the host time (us) it was launched at (None: unknown), its GPU time."""
+    """One CUDA kernel: the host time (us) it was launched at (None: unknown), its GPU time,
+    its name (clipped to KERNEL_NAME_CHARS: C++ template names run long)."""
 
     launched_at: float | None
     gpu_us: float
+    name: str = ""
 
 
 def profiled_step(events) -> tuple[list[Span], list[KernelRun], int]:
@@ -100,14 +105,15 @@ def profiled_step(events) -> tuple[list[Span], list[KernelRun], int]:
             copies += 1
             continue
         linked = getattr(e, "linked_correlation_id", 0)
-        kernels.append(KernelRun(launches.get(e.id, ops.get(linked) if linked else None), e.time_range.elapsed_us()))
+        kernels.append(KernelRun(launches.get(e.id, ops.get(linked) if linked else None), e.time_range.elapsed_us(),
+                                 e.name[:KERNEL_NAME_CHARS]))
     return spans, kernels, copies
 
 
 @dataclass(frozen=True)
 class KernelCount:
     """The CUDA kernels of one decode step by part (PARTS): how many, their GPU time, and
-    how often the part ran in the step."""
+    how often the part ran in the step; and by kernel name: (launches, GPU us)."""
 
     batch: int
     num_layers: int
@@ -115,6 +121,7 @@ class KernelCount:
     kernels: dict[str, int]
     gpu_us: dict[str, float]
     copies: int
+    by_name: dict[str, tuple[int, float]]
 
     @property
     def total(self) -> int:
@@ -135,7 +142,10 @@ def count_kernels(batch: int, num_layers: int, spans: list[Span], kernels: list[
     layers = [s for s in spans if s.kind == LAYER]
     parts = [s for s in spans if s.kind != LAYER]
     counts, gpu_us = dict.fromkeys(PARTS, 0), dict.fromkeys(PARTS, 0.0)
+    by_name: dict[str, tuple[int, float]] = {}
     for k in kernels:
+        launches, us = by_name.get(k.name, (0, 0.0))
+        by_name[k.name] = (launches + 1, us + k.gpu_us)
         t = k.launched_at
         if t is None:
             kind = UNATTRIBUTED
@@ -146,7 +156,7 @@ def count_kernels(batch: int, num_layers: int, spans: list[Span], kernels: list[
         gpu_us[kind] += k.gpu_us
     calls = {kind: sum(s.kind == kind for s in parts) for kind, _ in PART_TYPES}
     calls.update({GLUE: len(layers), OUTSIDE: 1, UNATTRIBUTED: 1})
-    return KernelCount(batch, num_layers, calls, counts, gpu_us, copies)
+    return KernelCount(batch, num_layers, calls, counts, gpu_us, copies, by_name)
 
 
 def profile_decode_step(llm: LLM, batch: int, prompt_len: int) -> KernelCount:
@@ -181,6 +191,12 @@ def print_kernel_counts(model_name: str, counts: list[KernelCount]) -> None:
             if n or (calls and part not in (OUTSIDE, UNATTRIBUTED)):
                 print(f"| {c.batch} | {part} | {calls} | {n} | {n / max(calls, 1):.1f} | {c.gpu_us[part]:.0f} | "
                       f"{c.gpu_us[part] / max(calls, 1):.1f} |")
+    print(f"\n| batch | kernel (the {TOP_KERNELS} with the most GPU time) | launches | GPU us | GPU us / launch |")
+    print("|---|---|---|---|---|")
+    for c in counts:
+        top = sorted(c.by_name.items(), key=lambda item: -item[1][1])[:TOP_KERNELS]
+        for name, (launches, us) in top:
+            print(f"| {c.batch} | {name} | {launches} | {us:.0f} | {us / launches:.2f} |")
 
 
 def report_kernel_counts(model: str, model_name: str, batches: list[int], prompt_len: int) -> list[dict]:
@@ -198,4 +214,4 @@ def report_kernel_counts(model: str, model_name: str, batches: list[int], prompt
     print_kernel_counts(model_name, counts)
     return [dict(mode="kernel count (serial eager)", batch=c.batch, kernels=c.total, copies=c.copies,
                  kernels_per_layer=c.in_layers / c.num_layers, part_calls=c.calls, part_kernels=c.kernels,
-                 part_gpu_us=c.gpu_us) for c in counts]
+                 part_gpu_us=c.gpu_us, kernel_launches_gpu_us=c.by_name) for c in counts]

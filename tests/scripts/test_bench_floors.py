@@ -22,8 +22,8 @@ from decode_floors import (  # noqa: E402
     RoutingRecorder, StepFloors, distinct_experts, expected_distinct_experts, measure_distinct_experts, moe_blocks,
     step_floors, weight_bytes)
 from step_kernels import (  # noqa: E402
-    GLUE, LAYER, OUTSIDE, RANGE_PREFIX, UNATTRIBUTED, KernelRun, Span, count_kernels, profiled_step, profiler_ranges,
-    report_kernel_counts)
+    GLUE, KERNEL_NAME_CHARS, LAYER, OUTSIDE, RANGE_PREFIX, TOP_KERNELS, UNATTRIBUTED, KernelRun, Span, count_kernels,
+    print_kernel_counts, profiled_step, profiler_ranges, report_kernel_counts)
 from step_probe import checked_step, finish, start_decoding  # noqa: E402
 
 MOE_CHECKPOINTS = ("nemotron_moe_sharp", "granite_moe_rope_sharp")
@@ -194,6 +194,7 @@ def test_count_kernels_attributes_by_launch_time():
     assert c.gpu_us["mamba"] == 4.5 and c.gpu_us[GLUE] == 0.75 and c.gpu_us[OUTSIDE] == 8.0
     assert c.calls["mamba"] == 2 and c.calls["moe"] == 1 and c.calls[GLUE] == 2
     assert c.total == 8 and c.in_layers == 6 and c.copies == 2
+    assert c.by_name == {"": (8, 20.25)}  # nameless stand-ins: one entry for all
 
 
 @pytest.mark.parametrize("moe", [True, False])
@@ -242,10 +243,27 @@ def test_profiled_step_finds_kernel_launch_times():
     ]
     spans, kernels, copies = profiled_step(events)
     assert spans == [Span("layer", 0, 10), Span("moe", 2, 8)]
-    assert kernels == [KernelRun(3.5, 5), KernelRun(9, 1), KernelRun(2, 2), KernelRun(None, 1)]
+    assert kernels == [KernelRun(3.5, 5, "gemm_kernel"), KernelRun(9, 1, "triton_norm"), KernelRun(2, 2, "triton_route"),
+                       KernelRun(None, 1, "lost")]
     assert copies == 1
     c = count_kernels(1, 1, spans, kernels, copies)
     assert (c.kernels["moe"], c.kernels[GLUE], c.kernels[UNATTRIBUTED]) == (2, 1, 1)
+    assert c.by_name == {"gemm_kernel": (1, 5), "triton_norm": (1, 1), "triton_route": (1, 2), "lost": (1, 1)}
+
+
+def test_kernel_table_names_the_kernels_with_the_most_gpu_time(capsys):
+    """The by-name table: kernels summed over their launches, the most GPU time first,
+    TOP_KERNELS rows per batch; long names clipped when profiled."""
+    runs = [KernelRun(1, 2.0, "norm"), KernelRun(2, 5.0, "gemm"), KernelRun(3, 2.5, "norm")]
+    runs += [KernelRun(4, 0.1, f"tiny{i}") for i in range(TOP_KERNELS)]
+    print_kernel_counts("m", [count_kernels(1, 1, [Span(LAYER, 0, 10)], runs, copies=0)])
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if "launches" in line) + 2
+    rows = lines[start:]
+    assert rows[:2] == ["| 1 | gemm | 1 | 5 | 5.00 |", "| 1 | norm | 2 | 4 | 2.25 |"]
+    assert len(rows) == TOP_KERNELS
+    long_name = _event("void at::native::" + "x" * 200, "cuda", 0, 1, id=7)
+    assert profiled_step([long_name])[1][0].name == long_name.name[:KERNEL_NAME_CHARS]
 
 
 def test_count_kernels_option_skips_without_cuda(monkeypatch, capsys):
