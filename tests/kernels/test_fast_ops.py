@@ -362,10 +362,16 @@ def test_linear_conv_update(dtype: torch.dtype, rows: int, in_place: bool, shape
     assert torch.equal(out, separate)
     assert torch.equal(states[dst[valid]], separate_states[dst[valid]])
     if dtype != torch.float32 and linear.CONV_EPILOGUE_ROWS < rows <= linear.MAX_ROWS:  # the epilogue at two row tiles
-        epilogue_states = initial.clone()
+        # Against the kernel's own projection at the same tiling (past 16 rows `linear` may
+        # hand this weight to cuBLAS), then the conv update kernel.
+        tiles = linear.tiling(n, k)
+        epilogue_states, kernel_states = initial.clone(), initial.clone()
+        kernel_separate = linear.skinny_linear(x, weight, bias, tiles)
+        kernel_separate[:, columns] = conv1d.causal_conv1d_update(kernel_separate[:, columns], conv_w, conv_b,
+                                                                  kernel_states, src, dst, activation)
         conv = linear.ConvUpdate(conv_start, conv_w, conv_b, epilogue_states, src, dst, silu)
-        assert torch.equal(linear.skinny_linear(x, weight, bias, linear.tiling(n, k), conv), separate)
-        assert torch.equal(epilogue_states[dst[valid]], separate_states[dst[valid]])
+        assert torch.equal(linear.skinny_linear(x, weight, bias, tiles, conv), kernel_separate)
+        assert torch.equal(epilogue_states[dst[valid]], kernel_states[dst[valid]])
 
 
 def test_linear_conv_update_takes_decode_rows_only() -> None:
