@@ -185,7 +185,11 @@ def main() -> None:
     drift_prompts, drift_len = args.drift_prompts or (8 if cuda else 2), args.drift_len or (512 if cuda else 32)
     name = args.model or ("peer" if cuda else None)
     model = peer_model_dir() if name == "peer" else name
-    base = dict(model=model, device=args.device, dtype="bfloat16" if cuda else "float32", load_format="dummy")
+    # A checkpoint directory of the user's is loaded; the peer's (a config alone), a preset and
+    # the embedded model get random weights of their shapes.
+    trained = name not in (None, "peer") and os.path.isdir(name)
+    base = dict(model=model, device=args.device, dtype="bfloat16" if cuda else "float32",
+                load_format="auto" if trained else "dummy")
 
     speed = {}
     for dtype in args.dtypes:
