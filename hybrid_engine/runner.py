@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from cache.kv_cache import KVBlockAllocator
-from cache.mamba_cache import MambaStateAllocator
+from cache.mamba_cache import MambaStateAllocator, RequestState
 from cache.step_buffer import (NEUTRAL_SAMPLING, SAMPLING, SAMPLING_F32_ROWS, SEQ, TOKEN, SamplingRow, SeqFields,
                                StepBuffer, TokenFields)
 from hybrid_engine.models.base import HybridForCausalLM
@@ -85,7 +85,10 @@ class ModelRunner:
         self._block_table = np.zeros((self.max_seqs, self.max_blocks_per_seq), dtype=np.int32)
         self._block_table_len = [0] * self.max_seqs
         self._block_table_owner: list[list[int] | None] = [None] * self.max_seqs
-        self._row_owner: list[Request | None] = [None] * self.max_seqs
+        # Keyed by the admission (`RequestState`, new at every admission) rather than the
+        # request: a request evicted mid-prompt can get its old row back, resuming deeper in
+        # a cached prefix, and must claim it again (sampling row, history prefix).
+        self._row_owner: list[RequestState | None] = [None] * self.max_seqs
         self._row_sampling = np.zeros((self.max_seqs, len(SamplingRow._fields)), dtype=np.float32)
         # Graph padding rows sample greedily with no filters: the float32 group as a column.
         self._neutral_sampling = np.array(NEUTRAL_SAMPLING[SAMPLING_F32_ROWS], dtype=np.float32)[:, None]
@@ -118,7 +121,7 @@ class ModelRunner:
     def _claim_row(self, request: Request) -> None:
         """Record the sampling row of a request that newly holds its row."""
         row = request.state.row
-        self._row_owner[row] = request
+        self._row_owner[row] = request.state
         self._row_sampling[row] = sampling_row(request.params)
 
     def _write_history_prefix(self, request: Request, num_tokens: int) -> None:
@@ -198,7 +201,7 @@ class ModelRunner:
             r = c.request
             state, blocks = r.state, r.blocks
             row = state.row
-            if owners[row] is not r:
+            if owners[row] is not state:
                 self._claim_row(r)
             if bt_owner[row] is not blocks or bt_len[row] != len(blocks):
                 self._sync_block_table(r)
@@ -357,7 +360,7 @@ class ModelRunner:
             r = c.request
             row = r.state.row
             start, end = c.start, c.start + c.num_tokens
-            if self._row_owner[row] is not r:
+            if self._row_owner[row] is not r.state:
                 self._claim_row(r)
                 if start > 0:  # resumed from the prefix cache: tokens [0, start) were never fed
                     self._write_history_prefix(r, start)

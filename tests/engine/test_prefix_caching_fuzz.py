@@ -306,6 +306,26 @@ def test_abort_mid_prefill_then_the_same_prefix_resumes_exactly(model_path):
     assert engine.stats()["free_kv_blocks"] == engine.stats()["total_kv_blocks"]
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_penalties_see_the_whole_prefix_after_an_eviction_and_a_deeper_hit(model_path, async_scheduling):
+    """A request with penalties is evicted mid-prompt (KV pressure), another request with
+    the same prompt runs on and leaves checkpoints deeper in it, and the evicted request is
+    readmitted -- into its old row -- resuming from the deeper hit: the penalties' token
+    history must hold every token before the hit, as a fresh uncached run's does."""
+    prompt = torch.randint(TOKEN_LOW, 96, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    penalized = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, repetition_penalty=3.0,
+                               presence_penalty=1.5)
+    plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine = engine_for(model_path, kv_block_size=4, num_kv_blocks=13, max_num_seqs=2, prefix_cache_max_checkpoints=8,
+                        prefix_cache_checkpoint_interval=8, async_scheduling=async_scheduling)
+    engine.add_request("plain", prompt, plain)
+    got = run_one(engine, "penalized", prompt, penalized)
+    want = run_one(engine_for(model_path, enable_prefix_caching=False, async_scheduling=False, kv_block_size=4),
+                   "penalized", prompt, penalized)
+    assert engine.stats()["evictions"] > 0 and engine.stats()["prefix_cache_hits"] > 0
+    assert got.output_token_ids == want.output_token_ids
+
+
 # ---- pool sizing ------------------------------------------------------------------------------------------
 
 def test_default_checkpoints_never_make_a_fitting_configuration_fail(model_path, monkeypatch):
