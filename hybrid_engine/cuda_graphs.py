@@ -32,9 +32,9 @@ CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 GREEDY, SAMPLING, FORWARD = "greedy", "sampling", "forward"
 # Ops a decode step calls: graphs are captured only when every one runs its fast kernel
 # (sync-free; most of their reference ops are not).
-DECODE_OPS = ("add_rms_norm", "gated_rms_norm", "linear_conv_update", "linear_relu_square", "causal_conv1d_update",
-              "ssm_state_update", "causal_conv1d_verify", "ssm_state_verify", "write_kv_cache", "paged_attention",
-              "moe_experts", "logits_argmax")
+DECODE_OPS = ("add_rms_norm", "gated_rms_norm", "linear_conv_update", "linear_relu_square", "linear_write_kv",
+              "causal_conv1d_update", "ssm_state_update", "causal_conv1d_verify", "ssm_state_verify", "write_kv_cache",
+              "paged_attention", "moe_experts", "logits_argmax")
 
 
 class DecodeGraphs:

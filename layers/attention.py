@@ -78,14 +78,17 @@ class PagedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.ops.linear(x, self.qkv_weight, self.qkv_bias).split(self.qkv_sizes, dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.rotary is not None:
-            q, k = self.rotary(meta.positions, q, k)
         k_cache, v_cache = self.kv_cache
-        self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if self.rotary is None:  # keys go to the cache as projected: the projection's op writes them
+            qkv = self.ops.linear_write_kv(x, self.qkv_weight, self.qkv_bias, self.qkv_sizes[0], k_cache, v_cache,
+                                           meta.slot_mapping)
+            q = qkv[:, :self.qkv_sizes[0]].view(n, self.num_heads, self.head_dim)
+        else:
+            q, k, v = self.ops.linear(x, self.qkv_weight, self.qkv_bias).split(self.qkv_sizes, dim=-1)
+            q, k = self.rotary(meta.positions, q.view(n, self.num_heads, self.head_dim),
+                               k.view(n, self.num_kv_heads, self.head_dim))
+            self.ops.write_kv_cache(k, v.view(n, self.num_kv_heads, self.head_dim), k_cache, v_cache,
+                                    meta.slot_mapping)
         # Verify rows have several queries: only one-token rows take the decode kernel.
         num_decode = meta.num_decode if meta.decode_width == 1 else 0
         out = self.ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,

@@ -7,7 +7,7 @@ from typing import Callable
 # to import (Triton missing) keeps the reference ops, the others stay fast.
 FAMILIES: dict[str, tuple[str, ...]] = {
     "norm": ("rms_norm", "add_rms_norm", "gated_rms_norm"),
-    "linear": ("linear", "linear_conv_update", "linear_relu_square"),
+    "linear": ("linear", "linear_conv_update", "linear_relu_square", "linear_write_kv"),
     "conv1d": ("causal_conv1d_varlen", "causal_conv1d_update", "causal_conv1d_verify"),
     "ssd": ("ssd_chunk_scan_varlen",),
     "ssm_update": ("ssm_state_update", "ssm_state_verify"),

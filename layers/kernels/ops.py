@@ -88,6 +88,16 @@ class KernelOps(Protocol):
         squares in the few-row kernel's store (one kernel at decode), else it runs one
         in-place relu^2 pass after the projection."""
 
+    def linear_write_kv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kv_start: int,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """An attention layer's stacked q/k/v projection and its KV cache write as one op:
+        y = linear(x, weight, bias), whose columns [kv_start, kv_start + 2 * kv_heads * head_dim)
+        are each row's keys then values ([kv_heads, head_dim] each, the caches' last two dims),
+        also written to the caches as `write_kv_cache` writes them (slot_mapping [rows], -1:
+        not written). x: [rows, K]. Returns y [rows, N], exactly `linear`'s. The fast op
+        writes the keys and values from the few-row kernel's store (no write kernel at
+        decode), else runs `linear` then `write_kv_cache`."""
+
     def causal_conv1d_varlen(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              conv_states: torch.Tensor, cu_seqlens: torch.Tensor, src_slots: torch.Tensor,
                              dst_slots: torch.Tensor, activation: str | None = "silu",

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from layers.kernels import OP_NAMES
 from layers.kernels import reference as ref
 from layers.kernels.ops import StateSaves
+from layers.kernels.reference.attention import kv_columns
 
 pytestmark = pytest.mark.gpu
 RUNS_IN_TRITON_INTERPRETER = True  # conftest: TRITON_INTERPRET=1 runs these on the CPU
@@ -380,6 +381,60 @@ def test_linear_conv_update_takes_decode_rows_only() -> None:
         linear.linear_conv_update(randn(1, 2, 64, dtype=LOW), randn(96, 64, dtype=LOW), None, 0, randn(32, 4, dtype=LOW),
                                   None, randn(3, 32, 3, dtype=LOW), torch.zeros(2, dtype=torch.int64, device=DEVICE),
                                   torch.ones(2, dtype=torch.int64, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33])  # past 16 or 32 rows: F.linear, then the write kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim,k", [(4, 2, 32, 128), (3, 1, 24, 512)])
+def test_linear_write_kv(dtype: torch.dtype, rows: int, heads: int, kv_heads: int, head_dim: int, k: int) -> None:
+    """The q/k/v projection writing its keys and values to the cache (unsplit 16-column tiles;
+    a deep split weight whose 24-wide heads straddle column tiles, with bias) against the
+    reference, and bit for bit the separate fast ops: the projection, then `write_kv_cache`
+    of its key and value columns. Rows with slot -1 write nothing; no other slot changes."""
+    block_size, num_blocks = 16, 5
+    n = (heads + 2 * kv_heads) * head_dim
+    x = randn(rows, k, dtype=dtype)
+    weight = randn(n, k, dtype=dtype, scale=k ** -0.5)
+    bias = randn(n, dtype=dtype) if heads == 3 else None
+    k_cache, v_cache = (randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype) for _ in range(2))
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:rows]
+    slots[torch.tensor(every_third_padded(rows), device=DEVICE)] = -1
+    kv_start = heads * head_dim
+    caches = {name: (k_cache.clone(), v_cache.clone()) for name in ("fused", "reference", "separate")}
+    out = linear.linear_write_kv(x, weight, bias, kv_start, *caches["fused"], slots)
+    expected = ref.linear_write_kv(x, weight, bias, kv_start, *caches["reference"], slots)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    assert_close(out.float(), expected.float(), TOL[dtype])
+    for cache, expected_cache, initial in zip(caches["fused"], caches["reference"], (k_cache, v_cache)):
+        written = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
+        written[slots[slots >= 0]] = True
+        flat, expected_flat = cache.view(-1, kv_heads, head_dim), expected_cache.view(-1, kv_heads, head_dim)
+        assert torch.equal(flat[~written], initial.view(-1, kv_heads, head_dim)[~written])
+        assert_close(flat[written].float(), expected_flat[written].float(), TOL[dtype])
+    separate = linear.linear(x, weight, bias)
+    attention.write_kv_cache(*kv_columns(separate, kv_start, k_cache), *caches["separate"], slots)
+    assert torch.equal(out, separate)
+    assert all(torch.equal(a, b) for a, b in zip(caches["fused"], caches["separate"]))
+    if dtype != torch.float32 and linear.ROW_TILE < rows <= linear.MAX_ROWS:  # the epilogue at two row tiles
+        # Against the kernel's own projection at the same tiling (past 16 rows `linear` may
+        # hand this weight to cuBLAS), then the write kernel.
+        tiles = linear.tiling(n, k)
+        epilogue, kernel = (k_cache.clone(), v_cache.clone()), (k_cache.clone(), v_cache.clone())
+        kernel_separate = linear.skinny_linear(x, weight, bias, tiles)
+        attention.write_kv_cache(*kv_columns(kernel_separate, kv_start, k_cache), *kernel, slots)
+        fused = linear.skinny_linear(x, weight, bias, tiles, kv=linear.KVWrite(kv_start, *epilogue, slots))
+        assert torch.equal(fused, kernel_separate)
+        assert all(torch.equal(a, b) for a, b in zip(epilogue, kernel))
+
+
+def test_linear_write_kv_checks_its_columns() -> None:
+    """x must be [rows, K], and the key and value columns must lie inside the projection."""
+    x, weight = randn(2, 64, dtype=LOW), randn(128, 64, dtype=LOW)
+    cache, slots = randn(2, 16, 1, 32, dtype=LOW), torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="rows, K"):
+        linear.linear_write_kv(x[None], weight, None, 64, cache, cache.clone(), slots)
+    with pytest.raises(ValueError, match="kv_start"):
+        linear.linear_write_kv(x, weight, None, 72, cache, cache.clone(), slots)
 
 
 # ---------------------------------------------------------------- conv1d

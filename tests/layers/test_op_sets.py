@@ -12,7 +12,9 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 # Every op the embedded NemotronH model calls (it has no softmax-routed MoE layer).
 # (the verify ops run only with speculative decoding)
 # The model's norms all run `add_rms_norm` (the first layer's with no residual), never `rms_norm` itself.
-EMBEDDED_MODEL_OPS = set(OP_NAMES) - {"rms_norm", "route_softmax_topk", "causal_conv1d_verify", "ssm_state_verify"}
+# (No RoPE in the embedded model: its keys and values go to the cache from `linear_write_kv`.)
+EMBEDDED_MODEL_OPS = set(OP_NAMES) - {"rms_norm", "route_softmax_topk", "causal_conv1d_verify", "ssm_state_verify",
+                                      "write_kv_cache"}
 
 
 def recording_ops(name: str, log: list[tuple[str, str]]) -> OpSet:

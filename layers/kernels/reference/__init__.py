@@ -1,7 +1,7 @@
 """Plain-torch reference ops (CPU and GPU): the oracle every fast kernel is tested against.
 
 This module implements every op of `layers.kernels.ops.KernelOps` with its exact signature."""
-from layers.kernels.reference.attention import paged_attention, write_kv_cache
+from layers.kernels.reference.attention import linear_write_kv, paged_attention, write_kv_cache
 from layers.kernels.reference.conv1d import (causal_conv1d_update, causal_conv1d_varlen, causal_conv1d_verify,
                                              linear_conv_update)
 from layers.kernels.reference.linear import linear, linear_relu_square
@@ -19,6 +19,7 @@ __all__ = [
     "linear",
     "linear_conv_update",
     "linear_relu_square",
+    "linear_write_kv",
     "logits_argmax",
     "moe_experts",
     "paged_attention",

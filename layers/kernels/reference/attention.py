@@ -6,6 +6,34 @@ head_dim]`. A token's cache slot is `block * block_size + offset`; -1 means "do 
 """
 import torch
 
+from layers.kernels.reference.linear import linear
+
+
+def kv_width(n: int, kv_start: int, k_cache: torch.Tensor) -> int:
+    """W = kv_heads * head_dim (the cache's last two dims), checked: the keys and values of a
+    stacked q/k/v projection's N = n columns are the W from kv_start and the W after them."""
+    width = k_cache.shape[2] * k_cache.shape[3]
+    if not 0 <= kv_start <= n - 2 * width:
+        raise ValueError(f"kv_start: the keys and values ({2 * width} columns from kv_start={kv_start}) must lie "
+                         f"within the projection's {n} columns")
+    return width
+
+
+def kv_columns(y: torch.Tensor, kv_start: int, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values inside a stacked q/k/v projection's output y [rows, N] (`kv_width`),
+    as [rows, kv_heads, head_dim] views."""
+    width, shape = kv_width(y.shape[1], kv_start, k_cache), (y.shape[0], *k_cache.shape[2:])
+    return y[:, kv_start:kv_start + width].view(shape), y[:, kv_start + width:kv_start + 2 * width].view(shape)
+
+
+def linear_write_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kv_start: int,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """The projection, then `write_kv_cache` of its key and value columns (see
+    `KernelOps.linear_write_kv`)."""
+    y = linear(x, weight, bias)
+    write_kv_cache(*kv_columns(y, kv_start, k_cache), k_cache, v_cache, slot_mapping)
+    return y
+
 
 def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor

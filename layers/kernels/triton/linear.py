@@ -24,7 +24,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from layers.kernels.reference.attention import kv_columns, kv_width
 from layers.kernels.triton.activation import relu_square
+from layers.kernels.triton.attention import write_kv_cache
 from layers.kernels.triton.conv1d import check_activation, conv_update_channels, conv_update_into, unit_last_stride
 from layers.kernels.triton.device import MAX_ARRIVAL_COUNTERS, arrival_counters, pdl, wait_for_previous_kernel
 
@@ -125,11 +127,32 @@ def row_tile_product(acc, x_ptr, w, rows, k, M, K, stride_xm, PRECISION: tl.cons
 
 
 @triton.jit
+def _store_kv(y, rows, cols, M, kv_start, kv_width, head_dim, k_cache_ptr, v_cache_ptr, slot_ptr, block_size,
+              stride_cb, stride_co, stride_ch):
+    """The key and value columns of the rounded projection y at each row's cache slot, as
+    `write_kv_cache` stores them: the kv_width columns from kv_start are the keys, the next
+    kv_width the values (head by head); rows past M or with slot -1 write nothing."""
+    slot = tl.load(slot_ptr + rows, mask=rows < M, other=-1).to(tl.int64)
+    j = cols - kv_start
+    is_k = (j >= 0) & (j < kv_width)
+    is_v = (j >= kv_width) & (j < 2 * kv_width)
+    j = tl.where(is_v, j - kv_width, tl.where(is_k, j, 0))
+    live = (slot >= 0)[:, None]
+    slot = tl.maximum(slot, 0)
+    where = ((slot // block_size) * stride_cb + (slot % block_size) * stride_co)[:, None] \
+        + ((j // head_dim) * stride_ch + j % head_dim)[None, :]
+    tl.store(k_cache_ptr + where, y.to(k_cache_ptr.dtype.element_ty), mask=live & is_k[None, :])
+    tl.store(v_cache_ptr + where, y.to(v_cache_ptr.dtype.element_ty), mask=live & is_v[None, :])
+
+
+@triton.jit
 def _store_rows(acc, b_ptr, y_ptr, rows, cols, M, N, stride_ym, HAS_BIAS: tl.constexpr,
                 conv_start, conv_dim, conv_w_ptr, conv_b_ptr, states_ptr, src_ptr, dst_ptr,
                 stride_cw, stride_slot, stride_sd, stride_sk,
+                kv_start, kv_width, head_dim, k_cache_ptr, v_cache_ptr, slot_ptr, block_size,
+                stride_cb, stride_co, stride_ch,
                 CONV: tl.constexpr, CONV_K: tl.constexpr, CONV_BIAS: tl.constexpr, SILU: tl.constexpr,
-                RELU_SQUARE: tl.constexpr):
+                RELU_SQUARE: tl.constexpr, KV: tl.constexpr):
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     y = acc.to(y_ptr.dtype.element_ty)
@@ -155,6 +178,9 @@ def _store_rows(acc, b_ptr, y_ptr, rows, cols, M, N, stride_ym, HAS_BIAS: tl.con
             states_ptr + tl.maximum(dst, 0).to(tl.int64)[:, None] * stride_slot + channel,
             stride_sk, live, CONV_K, CONV_BIAS, SILU)
         y = tl.where(is_conv[None, :], tl.where(live, convolved, 0.0).to(y.dtype), y)
+    if KV:
+        _store_kv(y, rows, cols, M, kv_start, kv_width, head_dim, k_cache_ptr, v_cache_ptr, slot_ptr, block_size,
+                  stride_cb, stride_co, stride_ch)
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y, mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
@@ -175,9 +201,10 @@ def _skinny_linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, partial_ptr, arrivals_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     conv_start, conv_dim, conv_w_ptr, conv_b_ptr, states_ptr, src_ptr, dst_ptr,
     stride_cw, stride_slot, stride_sd, stride_sk,
+    kv_start, kv_width, head_dim, k_cache_ptr, v_cache_ptr, slot_ptr, block_size, stride_cb, stride_co, stride_ch,
     HAS_BIAS: tl.constexpr, ROW_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, CONV: tl.constexpr, CONV_K: tl.constexpr, CONV_BIAS: tl.constexpr, SILU: tl.constexpr,
-    RELU_SQUARE: tl.constexpr, PDL: tl.constexpr,
+    RELU_SQUARE: tl.constexpr, KV: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     col_tile = tl.program_id(0)
@@ -213,7 +240,9 @@ def _skinny_linear_kernel(
         for tile in tl.static_range(ROW_TILES):
             _store_rows(acc0 if tile == 0 else acc1, b_ptr, y_ptr, rows + 16 * tile, cols, M, N, stride_ym, HAS_BIAS,
                         conv_start, conv_dim, conv_w_ptr, conv_b_ptr, states_ptr, src_ptr, dst_ptr, stride_cw,
-                        stride_slot, stride_sd, stride_sk, CONV, CONV_K, CONV_BIAS, SILU, RELU_SQUARE)
+                        stride_slot, stride_sd, stride_sk, kv_start, kv_width, head_dim, k_cache_ptr, v_cache_ptr,
+                        slot_ptr, block_size, stride_cb, stride_co, stride_ch, CONV, CONV_K, CONV_BIAS, SILU,
+                        RELU_SQUARE, KV)
         if SPLIT_K > 1:
             tl.atomic_xchg(arrivals_ptr + col_tile, 0)  # ready for the next call
 
@@ -318,14 +347,44 @@ def linear_conv_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return skinny_linear(x, weight, bias, tiling(*weight.shape), conv)
 
 
+@dataclass(frozen=True)
+class KVWrite:
+    """The KV cache write `skinny_linear` applies to output columns [start, start + 2W) of
+    each row, W = kv_heads * head_dim (`KernelOps.linear_write_kv`): the caches
+    ([blocks, block_size, kv_heads, head_dim], one layout, unit last stride) and each row's
+    slot."""
+
+    start: int
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+def linear_write_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kv_start: int,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """The stacked q/k/v projection and the KV cache write of its key and value columns (see
+    `KernelOps.linear_write_kv`): one kernel for the rows `takes_kernel` takes into caches of
+    one layout (the program that stores a key or value column stores it at its slot too),
+    else `linear`, then the write kernel. Both write the same bits."""
+    if x.dim() != 2:
+        raise ValueError(f"linear_write_kv: x must be [rows, K], got {tuple(x.shape)}")
+    kv_width(weight.shape[0], kv_start, k_cache)
+    if not takes_kernel(x, weight, bias) or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        y = linear(x, weight, bias)
+        write_kv_cache(*kv_columns(y, kv_start, k_cache), k_cache, v_cache, slot_mapping)
+        return y
+    return skinny_linear(x, weight, bias, tiling(*weight.shape), kv=KVWrite(kv_start, k_cache, v_cache, slot_mapping))
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: Tiling,
                   conv: ConvUpdate | None = None, relu_squared: bool = False,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  out_dtype: torch.dtype | None = None, kv: KVWrite | None = None) -> torch.Tensor:
     """The skinny kernel with the given tiles, for inputs `takes_kernel` accepts (benchmarks
     and tests sweep tilings through it) and for a bfloat16 x against a float32 weight
     (NemotronH's router: exact products, `row_tile_product`), with `conv`'s update of the
-    conv columns if given, and relu^2 of every output if `relu_squared`. The output is in
-    `out_dtype` (default x's): float32 keeps the float32 sums unrounded."""
+    conv columns if given, `kv`'s cache write of the key and value columns if given, and
+    relu^2 of every output if `relu_squared`. The output is in `out_dtype` (default x's):
+    float32 keeps the float32 sums unrounded."""
     n, k = weight.shape
     if weight.dtype != x.dtype and not (x.dtype == torch.bfloat16 and weight.dtype == torch.float32):
         # (the kernel's dots are tf32 for float32 operands: an fp16 x would round the weight)
@@ -349,12 +408,18 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         conv_args = (conv.start, conv.weight.shape[0], conv.weight, conv.bias if conv.bias is not None else conv.weight,
                      conv.states, conv.src_slots, conv.dst_slots, conv.weight.stride(0), *conv.states.stride())
         conv_k, conv_bias = conv.weight.shape[1], conv.bias is not None
+    if kv is None:  # (likewise)
+        kv_args = (0, 0, 1, out, out, out, 1, 0, 0, 0)
+    else:
+        _, block_size, kv_heads, head_dim = kv.k_cache.shape
+        kv_args = (kv.start, kv_heads * head_dim, head_dim, kv.k_cache, kv.v_cache, kv.slot_mapping, block_size,
+                   *kv.k_cache.stride()[:3])
     _skinny_linear_kernel[(triton.cdiv(n, tiles.block_n), tiles.split)](
         flat, weight, bias if bias is not None else weight, out, partials, arrival_counters(x.device), rows, n, k,
-        flat.stride(0), weight.stride(0), out.stride(0), *conv_args,
+        flat.stride(0), weight.stride(0), out.stride(0), *conv_args, *kv_args,
         HAS_BIAS=bias is not None, ROW_TILES=row_tiles, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         SPLIT_K=tiles.split, CONV=conv is not None, CONV_K=conv_k, CONV_BIAS=conv_bias,
-        SILU=conv is not None and conv.silu, RELU_SQUARE=relu_squared, num_warps=4, num_stages=4,
+        SILU=conv is not None and conv.silu, RELU_SQUARE=relu_squared, KV=kv is not None, num_warps=4, num_stages=4,
         # No FMA contraction (only the epilogues have products to contract): they round as
         # the conv and relu^2 kernels do, bit for bit.
         enable_fp_fusion=False, **pdl(flat),
