@@ -232,7 +232,8 @@ def _mamba_tiled_kernel(
                 acc = row_tile_product(acc, v_ptr, w, rows, k, 1, H, H, "tf32")
             _store_rows(acc, w_in_ptr, zx, rows, cols, 1, NIN, NIN, False, DSSM, CONV, conv_w_ptr + layer * CONV * K,
                         conv_b_ptr + layer * CONV, conv_state_ptr + layer * 2 * CONV * (K - 1), src_ptr, dst_ptr,
-                        K, CONV * (K - 1), K - 1, 1, True, K, True, True, False)
+                        K, CONV * (K - 1), K - 1, 1, 0, 0, 1, zx, zx, zx, 1, 0, 0, 0, True, K, True, True, False,
+                        False)
         _ssm_update_phase(zx, ssm_state_ptr + layer * 2 * NH * P * NS, y_ptr + layer * DSSM, a_ptr + layer * NH,
                           d_ptr + layer * NH, dt_bias_ptr + layer * NH, pid, counter_ptr, barrier + G, G, DSSM, CONV,
                           NH, P, NG, NS, BP)
@@ -262,7 +263,8 @@ def _mamba_tiled_kernel(
         if tl.atomic_add(arrivals_ptr + col_tile, 1, sem="acq_rel") == SPLIT_OUT - 1:
             acc_o = sum_slices(partial_ptr, rows, cols_o, 1, H, 16, SPLIT_OUT)
             _store_rows(acc_o, w_out_ptr, out_ptr + layer * H, rows, cols_o, 1, H, H, False, 0, 0, out_ptr, out_ptr,
-                        out_ptr, out_ptr, out_ptr, 0, 0, 0, 0, False, 2, False, False, False)
+                        out_ptr, out_ptr, out_ptr, 0, 0, 0, 0, 0, 0, 1, out_ptr, out_ptr, out_ptr, 1, 0, 0, 0,
+                        False, 2, False, False, False, False)
             tl.atomic_xchg(arrivals_ptr + col_tile, 0)
 
 

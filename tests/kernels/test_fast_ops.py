@@ -774,6 +774,11 @@ def test_decode_ops_capture_in_cuda_graph() -> None:
     proj_conv_w = randn(130, width, dtype=torch.bfloat16)
     assert linear.tiling(200, 1000).split > 1  # the conv epilogue behind the split-K fix-up
     lm_out = randn(batch, 3000, dtype=torch.bfloat16, scale=4.0)
+    # q/k/v of 2 + 1 + 1 heads of 32 (the KV write behind the split-K fix-up) into 4 blocks of 16 slots.
+    qkv_w = randn(128, 1000, dtype=torch.bfloat16, scale=0.03)
+    kv_caches = [randn(4, block_size, 1, 32, dtype=torch.bfloat16) for _ in range(2)]
+    kv_slots = torch.randperm(4 * block_size, device=DEVICE)[:batch]
+    kv_slots[~valid] = -1
 
     def step():
         return (linear.linear_conv_update(proj_x, proj_w, None, 30, proj_conv_w, None, proj_states, src, dst),
@@ -784,7 +789,8 @@ def test_decode_ops_capture_in_cuda_graph() -> None:
                 moe.moe_experts(mx, w_up, w_down, weights, ids, "relu2"),
                 *moe_routing.route_sigmoid_grouped(route_x, router_w, bias, 2, 2, 1, True, 2.5),
                 *moe_routing.route_softmax_topk(route_x, router_w, 2),
-                sampling.logits_argmax(lm_out, 6))
+                sampling.logits_argmax(lm_out, 6),
+                linear.linear_write_kv(proj_x, qkv_w, None, 64, *kv_caches, kv_slots))
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -802,7 +808,9 @@ def test_decode_ops_capture_in_cuda_graph() -> None:
                                 .to(torch.bfloat16))[1])
     lens.copy_(torch.tensor([9, 0, 80, 1, 48, 32], dtype=torch.int32, device=DEVICE))
     ids.copy_(torch.stack([torch.randperm(8, device=DEVICE)[:2] for _ in range(batch)]))
+    kv_slots.copy_(torch.where(valid, torch.randperm(4 * block_size, device=DEVICE)[:batch], -1))
     proj_expected, conv_expected, ssm_expected = proj_states.clone(), conv_states.clone(), ssm_states.clone()
+    kv_expected = [cache.clone() for cache in kv_caches]
     expected = (ref.linear_conv_update(proj_x, proj_w, None, 30, proj_conv_w, None, proj_expected, src, dst),
                 ref.linear_relu_square(proj_x, proj_w),
                 ref.causal_conv1d_update(conv_x, conv_w, None, conv_expected, src, dst),
@@ -811,7 +819,8 @@ def test_decode_ops_capture_in_cuda_graph() -> None:
                 ref.moe_experts(mx, w_up, w_down, weights, ids, "relu2"),
                 *ref.route_sigmoid_grouped(route_x, router_w, bias, 2, 2, 1, True, 2.5),
                 *ref.route_softmax_topk(route_x, router_w, 2),
-                ref.logits_argmax(lm_out, 6))
+                ref.logits_argmax(lm_out, 6),
+                ref.linear_write_kv(proj_x, qkv_w, None, 64, *kv_expected, kv_slots))
     graph.replay()
     torch.cuda.synchronize()
     for got, want in zip(outs[:6], expected[:6]):
@@ -824,3 +833,6 @@ def test_decode_ops_capture_in_cuda_graph() -> None:
     check_pool(proj_states, proj_expected, dst[valid], 1e-2)
     check_pool(conv_states, conv_expected, dst[valid], 1e-2)
     check_pool(ssm_states, ssm_expected, dst[valid], 1e-5)
+    assert_close(outs[11].float(), expected[11].float(), 1e-2)
+    for cache, expected_cache in zip(kv_caches, kv_expected):
+        check_pool(cache.view(-1, 1, 32), expected_cache.view(-1, 1, 32), kv_slots[valid], 1e-2)
