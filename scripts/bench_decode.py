@@ -191,8 +191,8 @@ def time_modes(args: argparse.Namespace, model: str, bandwidth: float) -> list[d
                 moe = (f"  floors all/active {row['roofline_ms']:.3f}/{row['active_floor_ms']:.3f} ms  experts/layer "
                        f"{row['distinct_experts_mean']:.1f} (analytic {row['analytic_distinct_experts']:.1f})  "
                        f"step/active floor {row['vs_active_floor']:.2f}x")
-            print(f"{mode:14s} B={batch:4d} {r['tok_s']:9.0f} tok/s  itl mean/p50/p99 {r['itl_mean_ms']:.2f}/"
-                  f"{r['itl_p50_ms']:.2f}/{r['itl_p99_ms']:.2f} ms  ttft p50/p99 {r['ttft_p50_ms']:.0f}/"
+            print(f"{mode:14s} B={batch:4d} {r['tok_s']:9.0f} tok/s  itl mean/p50/p99 {r['itl_mean_ms']:.3f}/"
+                  f"{r['itl_p50_ms']:.3f}/{r['itl_p99_ms']:.3f} ms  ttft p50/p99 {r['ttft_p50_ms']:.0f}/"
                   f"{r['ttft_p99_ms']:.0f} ms  idle {probe['gpu_idle']:.1%}  gpu busy "
                   f"{probe['gpu_busy_ms_per_step']:.3f} ms/step  largest gaps {probe['largest_gaps_ms']} ms  prefill "
                   f"{r['all_first_token_s']:.3f} s  step/floor {row['vs_roofline']:.2f}x{moe}  host us/step: {host}",
@@ -218,7 +218,8 @@ def print_table(rows: list[dict]) -> None:
                   + " |" * (header.count(" | ") - 3))
             continue
         cells = [r["mode"], r["batch"], f"{r['tok_s']:.0f}",
-                 f"{r['itl_mean_ms']:.2f} / {r['itl_p50_ms']:.2f} / {r['itl_p99_ms']:.2f}", f"{r['gpu_idle']:.1%}"]
+                 # Microseconds: batch-1 steps of a small model differ by a few of them.
+                 f"{r['itl_mean_ms']:.3f} / {r['itl_p50_ms']:.3f} / {r['itl_p99_ms']:.3f}", f"{r['gpu_idle']:.1%}"]
         if moe:
             cells += [f"{r['roofline_ms']:.3f}", f"{r['active_floor_ms']:.3f}",
                       f"{r['distinct_experts_mean']:.1f} ({r['analytic_distinct_experts']:.1f})"]
