@@ -11,6 +11,7 @@ their own file, test_fused_moe.py; the decode-step capture below includes them.
 """
 import os
 import zlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -223,18 +224,21 @@ def test_linear_tiling() -> None:
     column tiles takes more slices, toward DEEP_TARGET_PROGRAMS programs; 256-column K steps
     only for slices of 4,096 columns or more in whole steps; a short weight no deeper than
     wide that 64-column tiles cut into few tiles is read unsplit in narrower ones."""
-    assert linear.tiling(100352, 1536) == linear.Tiling(64, 128, 1)
+    assert linear.tiling(100352, 1536) == linear.Tiling(64, 128, 1, weight_major=True)  # 1,568 tiles: many
     assert linear.tiling(4096, 1024) == linear.Tiling(32, 128, 1)  # 64 tiles of 64 columns, 128 of 32
     assert linear.tiling(2560, 1536) == linear.Tiling(32, 128, 1)
     assert linear.tiling(1536, 1024) == linear.Tiling(16, 256, 1)  # 48 tiles of 32 columns: 16 wide
     assert linear.tiling(1024, 1024) == linear.Tiling(16, 256, 1)
-    assert linear.tiling(6176, 1024) == linear.Tiling(64, 128, 1)  # 97 tiles of 64: as before
+    assert linear.tiling(6176, 1024) == linear.Tiling(64, 128, 1, weight_major=True)  # 97 tiles: one per SM at most
+    assert linear.tiling(10304, 2688) == linear.Tiling(64, 128, 1)  # 161 tiles: more than the SMs, not many
     assert linear.tiling(2048, 2048) == linear.Tiling(64, 128, 4)  # longer than SHORT_K: split as before
-    assert [t.whole_wide_slabs for t in (linear.Tiling(64, 128, 1), linear.Tiling(64, 128, 4),
-                                         linear.Tiling(32, 128, 1), linear.Tiling(16, 256, 1))] == [True, False, False, False]
+    assert [t.whole_wide_slabs for t in (linear.Tiling(64, 128, 1), linear.Tiling(64, 64, 1, weight_major=True),
+                                         linear.Tiling(64, 128, 4), linear.Tiling(32, 128, 1),
+                                         linear.Tiling(16, 256, 1))] == [True, True, False, False, False]
     assert linear.tiling(256, 2688) == linear.Tiling(32, 128, 8)
-    assert linear.tiling(18560, 4096) == linear.Tiling(64, 256, 1)
-    assert linear.tiling(4096, 8192) == linear.Tiling(64, 256, 2)  # deeper than 4,096: no deep rule
+    assert linear.tiling(18560, 4096) == linear.Tiling(64, 64, 1)  # 290 tiles, K 4,096: 64-column K steps
+    assert linear.tiling(6144, 4096) == linear.Tiling(64, 256, 1, weight_major=True)  # 96 tiles: 256-column steps
+    assert linear.tiling(4096, 8192) == linear.Tiling(64, 256, 2, weight_major=True)  # deeper than 4,096: not deep
     assert linear.tiling(100, 300) == linear.Tiling(32, 128, 1)  # a slice would be under MIN_SLICE
     # Deep: 48 and 84 column tiles of 32 in 5 and 3 slices (240 and 252 programs), 32 tiles in 8.
     assert linear.tiling(1536, 3072) == linear.Tiling(32, 128, 5)
@@ -251,14 +255,15 @@ def test_linear_tiling() -> None:
 
 
 @pytest.mark.parametrize("split", [1, 2, 3, 8])
-def test_linear_split_is_deterministic_and_leaves_counters_zero(split: int) -> None:
-    """Any slice count (3: a ragged last slice) gives the float32 result, the same bits on a
+@pytest.mark.parametrize("weight_major", [False, True])
+def test_linear_split_is_deterministic_and_leaves_counters_zero(split: int, weight_major: bool) -> None:
+    """Any slice count (3: a ragged last slice), in either product order, gives the float32 result, the same bits on a
     second call, and arrival counters back at zero for the next call. On the GPU a row's
     result is also the same bits alone as among 32 rows (the interpreter's matmul is the
     host BLAS, whose rounding may depend on the row's place)."""
     x = randn(32, 1000, dtype=LOW)
     weight = randn(200, 1000, dtype=LOW, scale=1000 ** -0.5)
-    tiles = linear.Tiling(32, 64, split)
+    tiles = linear.Tiling(32, 64, split, weight_major)
     out = linear.skinny_linear(x, weight, None, tiles)
     assert_close(out.float(), F.linear(x.float(), weight.float()), TOL[LOW])
     assert torch.equal(linear.skinny_linear(x, weight, None, tiles), out)
@@ -415,16 +420,17 @@ def test_linear_write_kv(dtype: torch.dtype, rows: int, heads: int, kv_heads: in
     attention.write_kv_cache(*kv_columns(separate, kv_start, k_cache), *caches["separate"], slots)
     assert torch.equal(out, separate)
     assert all(torch.equal(a, b) for a, b in zip(caches["fused"], caches["separate"]))
-    if dtype != torch.float32 and linear.ROW_TILE < rows <= linear.MAX_ROWS:  # the epilogue at two row tiles
+    if dtype != torch.float32 and rows <= linear.MAX_ROWS:  # the epilogue at one and two row tiles, either order
         # Against the kernel's own projection at the same tiling (past 16 rows `linear` may
         # hand this weight to cuBLAS), then the write kernel.
-        tiles = linear.tiling(n, k)
-        epilogue, kernel = (k_cache.clone(), v_cache.clone()), (k_cache.clone(), v_cache.clone())
-        kernel_separate = linear.skinny_linear(x, weight, bias, tiles)
-        attention.write_kv_cache(*kv_columns(kernel_separate, kv_start, k_cache), *kernel, slots)
-        fused = linear.skinny_linear(x, weight, bias, tiles, kv=linear.KVWrite(kv_start, *epilogue, slots))
-        assert torch.equal(fused, kernel_separate)
-        assert all(torch.equal(a, b) for a, b in zip(epilogue, kernel))
+        for weight_major in (False, True):
+            tiles = replace(linear.tiling(n, k), weight_major=weight_major)
+            epilogue, kernel = (k_cache.clone(), v_cache.clone()), (k_cache.clone(), v_cache.clone())
+            kernel_separate = linear.skinny_linear(x, weight, bias, tiles)
+            attention.write_kv_cache(*kv_columns(kernel_separate, kv_start, k_cache), *kernel, slots)
+            fused = linear.skinny_linear(x, weight, bias, tiles, kv=linear.KVWrite(kv_start, *epilogue, slots))
+            assert torch.equal(fused, kernel_separate)
+            assert all(torch.equal(a, b) for a, b in zip(epilogue, kernel))
 
 
 def test_linear_write_kv_checks_its_columns() -> None:

@@ -17,7 +17,7 @@ kernel before it drains, where a cuBLAS kernel waits for a full completion. Floa
 rows (a prompt step) and anything unusual go to `F.linear`.
 """
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,15 @@ DEEP_MIN_SLICE = 512
 # fix-up (partials stored, an arrival, partials read back) costs more than that.
 SHORT_K = 1536
 MIN_COLUMN_TILES = 80
+# Which unsplit wide weights (64-column tiles) take the weight-major product (`Tiling`),
+# and which take 64-column K steps instead. Fitted on the H200 (132 SMs, like the H100):
+# the weight-major kernel holds three programs per SM where the row-major one holds four,
+# and either loses when its grid leaves the SMs unevenly loaded (weight-major at 1.2-1.5
+# and 3 column tiles per SM, row-major at 2); see docs/kernels.md, "Few-row projections".
+SM_COUNT = 132
+MANY_COLUMN_TILES = 512
+DEEP_WIDE_K = 4096
+DEEP_WIDE_MIN_TILES = 256
 _DTYPES = (torch.bfloat16, torch.float16)
 # The conv epilogue runs for one row tile: with two, the kernel reached 255 registers and a
 # granite-4.0-h-tiny step at batch 32 took 7.58 ms against 7.41 with the separate conv kernel.
@@ -54,11 +63,15 @@ CONV_EPILOGUE_ROWS = ROW_TILE
 @dataclass(frozen=True)
 class Tiling:
     """How the skinny kernel cuts an [N, K] weight: BLOCK_N output columns per program, K
-    read BLOCK_K columns at a time, in `split` slices (1: no partial sums)."""
+    read BLOCK_K columns at a time, in `split` slices (1: no partial sums); `weight_major`
+    puts the weight tile first in the tensor-core product ([BLOCK_N, 16] sums, transposed
+    once at the end; the product's rows are then the weight's, which suits the wide tiles
+    of some shapes: `tiling`)."""
 
     block_n: int
     block_k: int
     split: int
+    weight_major: bool = False
 
     @property
     def whole_wide_slabs(self) -> bool:
@@ -106,10 +119,11 @@ def split_bfloat16_pieces(weight: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def row_tile_product(acc, x_ptr, w, rows, k, M, K, stride_xm, PRECISION: tl.constexpr):
+def row_tile_product(acc, x_ptr, w, rows, k, M, K, stride_xm, PRECISION: tl.constexpr,
+                     WEIGHT_MAJOR: tl.constexpr = False):
     """acc + x[rows, k] @ w^T for a [BLOCK_N, BLOCK_K] weight tile (rows past M and columns
     past K read as zeros); PRECISION is tl.dot's for float32 inputs (half-precision ones
-    ignore it).
+    ignore it). WEIGHT_MAJOR: acc is [BLOCK_N, rows] and gains w @ x[rows, k]^T instead.
 
     A bfloat16 x against a float32 weight (NemotronH's router) takes the weight as the sum
     of its three bfloat16 pieces (`bfloat16_pieces`), each product exact in float32: three
@@ -118,12 +132,22 @@ def row_tile_product(acc, x_ptr, w, rows, k, M, K, stride_xm, PRECISION: tl.cons
     Any other mix converts x to w's dtype (exact for a half-precision x)."""
     x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
                 other=0.0)
+    # (one return at the end: Triton generates the code after a return in a constexpr branch too)
     if x.dtype == tl.bfloat16 and w.dtype == tl.float32:
         high, middle, low = bfloat16_pieces(w)
-        acc = tl.dot(x, tl.trans(high), acc)
-        acc = tl.dot(x, tl.trans(middle), acc)
-        return tl.dot(x, tl.trans(low), acc)
-    return acc + tl.dot(x.to(w.dtype), tl.trans(w), input_precision=PRECISION)
+        if WEIGHT_MAJOR:
+            acc = tl.dot(high, tl.trans(x), acc)
+            acc = tl.dot(middle, tl.trans(x), acc)
+            acc = tl.dot(low, tl.trans(x), acc)
+        else:
+            acc = tl.dot(x, tl.trans(high), acc)
+            acc = tl.dot(x, tl.trans(middle), acc)
+            acc = tl.dot(x, tl.trans(low), acc)
+    elif WEIGHT_MAJOR:
+        acc = acc + tl.dot(w, tl.trans(x.to(w.dtype)), input_precision=PRECISION)
+    else:
+        acc = acc + tl.dot(x.to(w.dtype), tl.trans(w), input_precision=PRECISION)
+    return acc
 
 
 @triton.jit
@@ -204,7 +228,7 @@ def _skinny_linear_kernel(
     kv_start, kv_width, head_dim, k_cache_ptr, v_cache_ptr, slot_ptr, block_size, stride_cb, stride_co, stride_ch,
     HAS_BIAS: tl.constexpr, ROW_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, CONV: tl.constexpr, CONV_K: tl.constexpr, CONV_BIAS: tl.constexpr, SILU: tl.constexpr,
-    RELU_SQUARE: tl.constexpr, KV: tl.constexpr, PDL: tl.constexpr,
+    RELU_SQUARE: tl.constexpr, KV: tl.constexpr, WEIGHT_MAJOR: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     col_tile = tl.program_id(0)
@@ -215,14 +239,21 @@ def _skinny_linear_kernel(
     k_len = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_start = tl.program_id(1) * k_len
     k_stop = tl.minimum(k_start + k_len, K)
-    acc0 = tl.zeros((16, BLOCK_N), tl.float32)
-    acc1 = tl.zeros((16, BLOCK_N), tl.float32)
+    if WEIGHT_MAJOR:
+        acc0 = tl.zeros((BLOCK_N, 16), tl.float32)
+        acc1 = tl.zeros((BLOCK_N, 16), tl.float32)
+    else:
+        acc0 = tl.zeros((16, BLOCK_N), tl.float32)
+        acc1 = tl.zeros((16, BLOCK_N), tl.float32)
     for k0 in range(k_start, k_stop, BLOCK_K):
         k = k0 + ks
         w = tl.load(w_rows + k[None, :], mask=(cols[:, None] < N) & (k[None, :] < k_stop), other=0.0)
-        acc0 = row_tile_product(acc0, x_ptr, w, rows, k, M, k_stop, stride_xm, "tf32")
+        acc0 = row_tile_product(acc0, x_ptr, w, rows, k, M, k_stop, stride_xm, "tf32", WEIGHT_MAJOR)
         if ROW_TILES == 2:
-            acc1 = row_tile_product(acc1, x_ptr, w, rows + 16, k, M, k_stop, stride_xm, "tf32")
+            acc1 = row_tile_product(acc1, x_ptr, w, rows + 16, k, M, k_stop, stride_xm, "tf32", WEIGHT_MAJOR)
+    if WEIGHT_MAJOR:
+        acc0 = tl.trans(acc0)
+        acc1 = tl.trans(acc1)
     last = True  # this program stores its column tile: the only one, or the last of its slices to arrive
     if SPLIT_K > 1:
         ROWS: tl.constexpr = 16 * ROW_TILES
@@ -260,8 +291,12 @@ def tiling(n: int, k: int) -> Tiling:
     empty); a deep weight with fewer than 96 column tiles then takes more slices if that
     brings its grid nearer DEEP_TARGET_PROGRAMS (any count, not only powers of two, each of
     DEEP_MIN_SLICE columns or more); 256-column K steps where K / slices is 4,096 or more
-    columns in whole steps, else 128. Fitted on the presets' projections at 1 and 32 rows
-    (H100 graph chains; the deep and short rules on the H200; docs/kernels.md, "Few-row
+    columns in whole steps, else 128. An unsplit 64-column weight of K >= DEEP_WIDE_K and at
+    least DEEP_WIDE_MIN_TILES column tiles reads K in 64-column steps instead; other
+    64-column weights take the weight-major product where their K steps are 256 columns, or,
+    unsplit, where they have at most SM_COUNT or at least MANY_COLUMN_TILES column tiles.
+    Fitted on the presets' projections at 1 and 32 rows (H100 graph chains; the deep, short,
+    weight-major and 64-column-step rules on the H200; docs/kernels.md, "Few-row
     projections")."""
     if k <= min(n, SHORT_K) and triton.cdiv(n, 64) < MIN_COLUMN_TILES:
         if triton.cdiv(n, 32) >= MIN_COLUMN_TILES:
@@ -276,7 +311,12 @@ def tiling(n: int, k: int) -> Tiling:
     if deep and col_tiles < 96:
         split = max(split, min(triton.cdiv(DEEP_TARGET_PROGRAMS, col_tiles), k // DEEP_MIN_SLICE))
     slice_k = k // split
-    return Tiling(block_n, 256 if slice_k % 256 == 0 and slice_k >= 4096 else 128, split)
+    block_k = 256 if slice_k % 256 == 0 and slice_k >= 4096 else 128
+    if block_n == 64 and split == 1 and k >= DEEP_WIDE_K and col_tiles >= DEEP_WIDE_MIN_TILES:
+        return Tiling(64, 64, 1)
+    weight_major = block_n == 64 and (block_k == 256 or split == 1 and (col_tiles <= SM_COUNT
+                                                                         or col_tiles >= MANY_COLUMN_TILES))
+    return Tiling(block_n, block_k, split, weight_major)
 
 
 def takes_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -344,7 +384,9 @@ def linear_conv_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         conv_update_into(columns, conv_weight, conv_bias, conv_states, src_slots, dst_slots, silu, columns)
         return y
     conv = ConvUpdate(conv_start, unit_last_stride(conv_weight), conv_bias, conv_states, src_slots, dst_slots, silu)
-    return skinny_linear(x, weight, bias, tiling(*weight.shape), conv)
+    # Row-major product here (same bits): with the weight-major one in every in_proj, a
+    # granite-4.0-h-tiny step at batch 1 took 1.888 against 1.868 ms (docs/benchmarks.md, session 31).
+    return skinny_linear(x, weight, bias, replace(tiling(*weight.shape), weight_major=False), conv)
 
 
 @dataclass(frozen=True)
@@ -419,7 +461,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         flat.stride(0), weight.stride(0), out.stride(0), *conv_args, *kv_args,
         HAS_BIAS=bias is not None, ROW_TILES=row_tiles, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         SPLIT_K=tiles.split, CONV=conv is not None, CONV_K=conv_k, CONV_BIAS=conv_bias,
-        SILU=conv is not None and conv.silu, RELU_SQUARE=relu_squared, KV=kv is not None, num_warps=4, num_stages=4,
+        SILU=conv is not None and conv.silu, RELU_SQUARE=relu_squared, KV=kv is not None,
+        WEIGHT_MAJOR=tiles.weight_major, num_warps=4, num_stages=4,
         # No FMA contraction (only the epilogues have products to contract): they round as
         # the conv and relu^2 kernels do, bit for bit.
         enable_fp_fusion=False, **pdl(flat),
