@@ -261,7 +261,8 @@ def run_linear(copy_bw: float) -> list[dict]:
             op = time_graph([lambda w=w: linear.linear(x, w) for w in weights], per_graph=32)
             own = linear.takes_kernel(x, weights[0], None)
             tiles = linear.tiling(n, k)
-            tiles_text = f"{tiles.block_n} x {tiles.block_k}, split {tiles.split}" if own else "(cuBLAS)"
+            order = ", weight-major" if tiles.weight_major else ""
+            tiles_text = f"{tiles.block_n} x {tiles.block_k}, split {tiles.split}{order}" if own else "(cuBLAS)"
             rows.append(dict(projection=name, n=n, k=k, rows=m, own_kernel=own, tiling=tiles_text, cublas_us=cublas * 1e6,
                              op_us=op * 1e6, frac_of_copy=2 * n * k / op / copy_bw))
             print(f"| {name + f' ({n} x {k})':<42} | {m} | {tiles_text} | {cublas * 1e6:.1f} | "
