@@ -222,8 +222,11 @@ def test_linear_tiling() -> None:
     """Narrow weights split K (into slices of at least MIN_SLICE columns, within
     MAX_SPLIT_PROGRAMS programs), wide ones never do; a deep weight (N < K <= 4,096) of few
     column tiles takes more slices, toward DEEP_TARGET_PROGRAMS programs; 256-column K steps
-    only for slices of 4,096 columns or more in whole steps; a short weight no deeper than
-    wide that 64-column tiles cut into few tiles is read unsplit in narrower ones."""
+    only for slices of 4,096 columns or more in whole steps, 64-column ones for 64-column
+    weights of K >= 4,096 with 256 to 511 column tiles; a short weight no deeper than wide
+    that 64-column tiles cut into few tiles is read unsplit in narrower ones; 64-column
+    tilings take the weight-major product with 256-column K steps, or unsplit with at most
+    one column tile per SM or very many (MANY_COLUMN_TILES)."""
     assert linear.tiling(100352, 1536) == linear.Tiling(64, 128, 1, weight_major=True)  # 1,568 tiles: many
     assert linear.tiling(4096, 1024) == linear.Tiling(32, 128, 1)  # 64 tiles of 64 columns, 128 of 32
     assert linear.tiling(2560, 1536) == linear.Tiling(32, 128, 1)
@@ -237,6 +240,8 @@ def test_linear_tiling() -> None:
                                          linear.Tiling(16, 256, 1))] == [True, True, False, False, False]
     assert linear.tiling(256, 2688) == linear.Tiling(32, 128, 8)
     assert linear.tiling(18560, 4096) == linear.Tiling(64, 64, 1)  # 290 tiles, K 4,096: 64-column K steps
+    assert linear.tiling(21504, 4096) == linear.Tiling(64, 64, 1)  # 336 tiles
+    assert linear.tiling(131072, 4096) == linear.Tiling(64, 256, 1, weight_major=True)  # 2,048 tiles: many
     assert linear.tiling(6144, 4096) == linear.Tiling(64, 256, 1, weight_major=True)  # 96 tiles: 256-column steps
     assert linear.tiling(4096, 8192) == linear.Tiling(64, 256, 2, weight_major=True)  # deeper than 4,096: not deep
     assert linear.tiling(100, 300) == linear.Tiling(32, 128, 1)  # a slice would be under MIN_SLICE
@@ -254,16 +259,18 @@ def test_linear_tiling() -> None:
                                                linear.DEEP_TARGET_PROGRAMS + triton.cdiv(n, tiles.block_n))
 
 
-@pytest.mark.parametrize("split", [1, 2, 3, 8])
-@pytest.mark.parametrize("weight_major", [False, True])
-def test_linear_split_is_deterministic_and_leaves_counters_zero(split: int, weight_major: bool) -> None:
-    """Any slice count (3: a ragged last slice), in either product order, gives the float32 result, the same bits on a
-    second call, and arrival counters back at zero for the next call. On the GPU a row's
-    result is also the same bits alone as among 32 rows (the interpreter's matmul is the
-    host BLAS, whose rounding may depend on the row's place)."""
+@pytest.mark.parametrize("tiles", [linear.Tiling(32, 64, split) for split in (1, 2, 3, 8)]
+                         + [linear.Tiling(32, 64, 3, weight_major=True), linear.Tiling(64, 128, 1, weight_major=True),
+                            linear.Tiling(64, 256, 2, weight_major=True), linear.Tiling(64, 64, 1)])
+def test_linear_split_is_deterministic_and_leaves_counters_zero(tiles: linear.Tiling) -> None:
+    """Any slice count (3: a ragged last slice), either product order and 64-column tiles
+    with 64- and 256-column K steps give the float32 result, the same bits on a second call,
+    and arrival counters back at zero for the next call. On the GPU a row's result is also
+    the same bits alone as among 32 rows, and a weight-major tiling's result the same bits as
+    the row-major one's (the interpreter's matmul is the host BLAS, whose rounding may depend
+    on the row's place and the order)."""
     x = randn(32, 1000, dtype=LOW)
     weight = randn(200, 1000, dtype=LOW, scale=1000 ** -0.5)
-    tiles = linear.Tiling(32, 64, split, weight_major)
     out = linear.skinny_linear(x, weight, None, tiles)
     assert_close(out.float(), F.linear(x.float(), weight.float()), TOL[LOW])
     assert torch.equal(linear.skinny_linear(x, weight, None, tiles), out)
@@ -271,6 +278,10 @@ def test_linear_split_is_deterministic_and_leaves_counters_zero(split: int, weig
     if not INTERPRET:
         for row in (0, 15, 16, 31):
             assert torch.equal(linear.skinny_linear(x[row:row + 1], weight, None, tiles)[0], out[row])
+        if tiles.weight_major:
+            row_major = replace(tiles, weight_major=False)
+            for rows in (1, 16, 32):
+                assert torch.equal(linear.skinny_linear(x[:rows], weight, None, row_major), out[:rows])
 
 
 def test_skinny_linear_refuses_more_split_column_tiles_than_counters() -> None:
@@ -395,7 +406,8 @@ def test_linear_write_kv(dtype: torch.dtype, rows: int, heads: int, kv_heads: in
     """The q/k/v projection writing its keys and values to the cache (unsplit 16-column tiles;
     a deep split weight whose 24-wide heads straddle column tiles, with bias) against the
     reference, and bit for bit the separate fast ops: the projection, then `write_kv_cache`
-    of its key and value columns. Rows with slot -1 write nothing; no other slot changes."""
+    of its key and value columns, also in the weight-major product and in 64-column tiles.
+    Rows with slot -1 write nothing; no other slot changes."""
     block_size, num_blocks = 16, 5
     n = (heads + 2 * kv_heads) * head_dim
     x = randn(rows, k, dtype=dtype)
@@ -420,11 +432,12 @@ def test_linear_write_kv(dtype: torch.dtype, rows: int, heads: int, kv_heads: in
     attention.write_kv_cache(*kv_columns(separate, kv_start, k_cache), *caches["separate"], slots)
     assert torch.equal(out, separate)
     assert all(torch.equal(a, b) for a, b in zip(caches["fused"], caches["separate"]))
-    if dtype != torch.float32 and rows <= linear.MAX_ROWS:  # the epilogue at one and two row tiles, either order
+    if dtype != torch.float32 and rows <= linear.MAX_ROWS:  # the epilogue at one and two row tiles, other tilings
         # Against the kernel's own projection at the same tiling (past 16 rows `linear` may
         # hand this weight to cuBLAS), then the write kernel.
-        for weight_major in (False, True):
-            tiles = replace(linear.tiling(n, k), weight_major=weight_major)
+        rule = linear.tiling(n, k)
+        for tiles in (replace(rule, weight_major=False), replace(rule, weight_major=True),
+                      linear.Tiling(64, 128, 1, weight_major=True)):
             epilogue, kernel = (k_cache.clone(), v_cache.clone()), (k_cache.clone(), v_cache.clone())
             kernel_separate = linear.skinny_linear(x, weight, bias, tiles)
             attention.write_kv_cache(*kv_columns(kernel_separate, kv_start, k_cache), *kernel, slots)

@@ -142,6 +142,13 @@ def test_skinny_linear_refuses_a_float16_x_against_a_float32_weight() -> None:
         linear.skinny_linear(x, weight, None, linear.tiling(*weight.shape), out_dtype=torch.float32)
 
 
+def test_skinny_linear_refuses_the_weight_major_product_for_a_float32_weight() -> None:
+    """The exact three-piece products of a float32 weight are row-major only."""
+    x, weight = randn(2, 256, dtype=torch.bfloat16), randn(32, 256)
+    with pytest.raises(ValueError, match="row-major"):
+        linear.skinny_linear(x, weight, None, linear.Tiling(32, 128, 1, weight_major=True), out_dtype=torch.float32)
+
+
 @needs_cuda
 def test_fused_float32_router_decides_on_the_low_piece() -> None:
     """Two experts whose logits differ only in the weight's low bfloat16 piece (2^-16 apart

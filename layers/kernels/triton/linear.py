@@ -45,11 +45,12 @@ DEEP_MIN_SLICE = 512
 # fix-up (partials stored, an arrival, partials read back) costs more than that.
 SHORT_K = 1536
 MIN_COLUMN_TILES = 80
-# Which unsplit wide weights (64-column tiles) take the weight-major product (`Tiling`),
-# and which take 64-column K steps instead. Fitted on the H200 (132 SMs, like the H100):
-# the weight-major kernel holds three programs per SM where the row-major one holds four,
-# and either loses when its grid leaves the SMs unevenly loaded (weight-major at 1.2-1.5
-# and 3 column tiles per SM, row-major at 2); see docs/kernels.md, "Few-row projections".
+# Which 64-column tilings take the weight-major product (`Tiling`) and which take
+# 64-column K steps: an empirical fit on the H200 (132 SMs, like the H100), measured at the
+# presets' shapes and over N at K = 1,536 / 2,688 / 4,096 (docs/kernels.md, "Few-row
+# projections"). With 128-column K steps weight-major won at up to 1, at 2 and at 4 or more
+# column tiles per SM and lost at 1.2, 1.5 and 3; with 256-column steps it won at every N
+# measured. 64-column K steps won only for deep weights of 290 and 336 column tiles.
 SM_COUNT = 132
 MANY_COLUMN_TILES = 512
 DEEP_WIDE_K = 4096
@@ -125,7 +126,7 @@ def row_tile_product(acc, x_ptr, w, rows, k, M, K, stride_xm, PRECISION: tl.cons
     past K read as zeros); PRECISION is tl.dot's for float32 inputs (half-precision ones
     ignore it). WEIGHT_MAJOR: acc is [BLOCK_N, rows] and gains w @ x[rows, k]^T instead.
 
-    A bfloat16 x against a float32 weight (NemotronH's router) takes the weight as the sum
+    A bfloat16 x against a float32 weight (NemotronH's router; row-major only) takes the weight as the sum
     of its three bfloat16 pieces (`bfloat16_pieces`), each product exact in float32: three
     tensor-core dots in place of a float32 one, which runs on the CUDA cores (a 2.6x slower
     router kernel, measured).
@@ -134,15 +135,11 @@ def row_tile_product(acc, x_ptr, w, rows, k, M, K, stride_xm, PRECISION: tl.cons
                 other=0.0)
     # (one return at the end: Triton generates the code after a return in a constexpr branch too)
     if x.dtype == tl.bfloat16 and w.dtype == tl.float32:
+        tl.static_assert(not WEIGHT_MAJOR, "a float32 weight takes the row-major product (skinny_linear)")
         high, middle, low = bfloat16_pieces(w)
-        if WEIGHT_MAJOR:
-            acc = tl.dot(high, tl.trans(x), acc)
-            acc = tl.dot(middle, tl.trans(x), acc)
-            acc = tl.dot(low, tl.trans(x), acc)
-        else:
-            acc = tl.dot(x, tl.trans(high), acc)
-            acc = tl.dot(x, tl.trans(middle), acc)
-            acc = tl.dot(x, tl.trans(low), acc)
+        acc = tl.dot(x, tl.trans(high), acc)
+        acc = tl.dot(x, tl.trans(middle), acc)
+        acc = tl.dot(x, tl.trans(low), acc)
     elif WEIGHT_MAJOR:
         acc = acc + tl.dot(w, tl.trans(x.to(w.dtype)), input_precision=PRECISION)
     else:
@@ -291,10 +288,11 @@ def tiling(n: int, k: int) -> Tiling:
     empty); a deep weight with fewer than 96 column tiles then takes more slices if that
     brings its grid nearer DEEP_TARGET_PROGRAMS (any count, not only powers of two, each of
     DEEP_MIN_SLICE columns or more); 256-column K steps where K / slices is 4,096 or more
-    columns in whole steps, else 128. An unsplit 64-column weight of K >= DEEP_WIDE_K and at
-    least DEEP_WIDE_MIN_TILES column tiles reads K in 64-column steps instead; other
-    64-column weights take the weight-major product where their K steps are 256 columns, or,
-    unsplit, where they have at most SM_COUNT or at least MANY_COLUMN_TILES column tiles.
+    columns in whole steps, else 128. A 64-column weight of K >= DEEP_WIDE_K with
+    DEEP_WIDE_MIN_TILES to MANY_COLUMN_TILES column tiles reads K in 64-column steps
+    instead; other 64-column weights take the weight-major product where their K steps are
+    256 columns, or, unsplit, where they have at most SM_COUNT or at least MANY_COLUMN_TILES
+    column tiles.
     Fitted on the presets' projections at 1 and 32 rows (H100 graph chains; the deep, short,
     weight-major and 64-column-step rules on the H200; docs/kernels.md, "Few-row
     projections")."""
@@ -312,8 +310,8 @@ def tiling(n: int, k: int) -> Tiling:
         split = max(split, min(triton.cdiv(DEEP_TARGET_PROGRAMS, col_tiles), k // DEEP_MIN_SLICE))
     slice_k = k // split
     block_k = 256 if slice_k % 256 == 0 and slice_k >= 4096 else 128
-    if block_n == 64 and split == 1 and k >= DEEP_WIDE_K and col_tiles >= DEEP_WIDE_MIN_TILES:
-        return Tiling(64, 64, 1)
+    if block_n == 64 and k >= DEEP_WIDE_K and DEEP_WIDE_MIN_TILES <= col_tiles < MANY_COLUMN_TILES:
+        return Tiling(64, 64, 1)  # (unsplit: past 128 tiles nothing splits)
     weight_major = block_n == 64 and (block_k == 256 or split == 1 and (col_tiles <= SM_COUNT
                                                                          or col_tiles >= MANY_COLUMN_TILES))
     return Tiling(block_n, block_k, split, weight_major)
@@ -339,9 +337,14 @@ def takes_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight^T (+ bias) (see `KernelOps.linear`): the skinny kernel with `tiling`'s
     tiles where `takes_kernel`, else `F.linear`."""
+    return _linear_in(x, weight, bias, tiling(*weight.shape))
+
+
+def _linear_in(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: Tiling) -> torch.Tensor:
+    """`linear` with the given tiles for the rows the kernel takes."""
     if not takes_kernel(x, weight, bias):
         return F.linear(x, weight, bias)
-    return skinny_linear(x, weight, bias, tiling(*weight.shape))
+    return skinny_linear(x, weight, bias, tiles)
 
 
 def linear_relu_square(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -378,15 +381,18 @@ def linear_conv_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     silu = check_activation(activation)
     if x.dim() != 2:
         raise ValueError(f"linear_conv_update: x must be [rows, K] (one decode token per row), got {tuple(x.shape)}")
+    # The row-major product at every row count: with the conv epilogue the weight-major one
+    # was slower (granite-4.0-h-tiny's in_proj 8.89 against 8.78 us; docs/benchmarks.md,
+    # session 31), and one product order for all batch sizes keeps a row's bits independent
+    # of its batch by construction.
+    tiles = replace(tiling(*weight.shape), weight_major=False)
     if x.shape[0] > CONV_EPILOGUE_ROWS or not takes_kernel(x, weight, bias):
-        y = linear(x, weight, bias)
+        y = _linear_in(x, weight, bias, tiles)
         columns = y[:, conv_start:conv_start + conv_weight.shape[0]]
         conv_update_into(columns, conv_weight, conv_bias, conv_states, src_slots, dst_slots, silu, columns)
         return y
     conv = ConvUpdate(conv_start, unit_last_stride(conv_weight), conv_bias, conv_states, src_slots, dst_slots, silu)
-    # Row-major product here (same bits): with the weight-major one in every in_proj, a
-    # granite-4.0-h-tiny step at batch 1 took 1.888 against 1.868 ms (docs/benchmarks.md, session 31).
-    return skinny_linear(x, weight, bias, replace(tiling(*weight.shape), weight_major=False), conv)
+    return skinny_linear(x, weight, bias, tiles, conv)
 
 
 @dataclass(frozen=True)
@@ -432,6 +438,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         # (the kernel's dots are tf32 for float32 operands: an fp16 x would round the weight)
         raise ValueError(f"skinny_linear: a {weight.dtype} weight takes a bfloat16 x or its own dtype, "
                          f"not {x.dtype}")
+    if tiles.weight_major and weight.dtype != x.dtype:
+        raise ValueError(f"skinny_linear: a {weight.dtype} weight against a {x.dtype} x takes the row-major "
+                         f"product (tiles.weight_major False; {tiles})")
     if x.numel() == 0 or (tiles.split > 1 and triton.cdiv(n, tiles.block_n) > MAX_ARRIVAL_COUNTERS):
         raise ValueError(f"skinny_linear: no rows, or a split weight of more than {MAX_ARRIVAL_COUNTERS} column "
                          f"tiles (one arrival counter each; {tiles})")
