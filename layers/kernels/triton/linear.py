@@ -126,10 +126,10 @@ def row_tile_product(acc, x_ptr, w, rows, k, M, K, stride_xm, PRECISION: tl.cons
     past K read as zeros); PRECISION is tl.dot's for float32 inputs (half-precision ones
     ignore it). WEIGHT_MAJOR: acc is [BLOCK_N, rows] and gains w @ x[rows, k]^T instead.
 
-    A bfloat16 x against a float32 weight (NemotronH's router; row-major only) takes the weight as the sum
-    of its three bfloat16 pieces (`bfloat16_pieces`), each product exact in float32: three
-    tensor-core dots in place of a float32 one, which runs on the CUDA cores (a 2.6x slower
-    router kernel, measured).
+    A bfloat16 x against a float32 weight (NemotronH's router; row-major only) takes the
+    weight as the sum of its three bfloat16 pieces (`bfloat16_pieces`), each product exact
+    in float32: three tensor-core dots in place of a float32 one, which runs on the CUDA
+    cores (a 2.6x slower router kernel, measured).
     Any other mix converts x to w's dtype (exact for a half-precision x)."""
     x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
                 other=0.0)
