@@ -5,6 +5,8 @@ unless TRITON_INTERPRET=1 runs the kernels on the CPU through Triton's interpret
 float16 stands in for bfloat16, whose interpreted dot is wrong; the preset-sized cases,
 CUDA graphs and kernel counts need CUDA).
 """
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,8 +15,8 @@ from layers.kernels import REFERENCE_OPS
 from layers.kernels import reference as ref
 # The device choice (skips without CUDA unless interpreting), seeding and comparisons of the
 # other fast-op tests.
-from tests.kernels.test_fast_ops import (DEVICE, DTYPES, LOW, TOL, assert_close, exact_logits, fixed_seed,  # noqa: F401
-                                        randn)
+from tests.kernels.test_fast_ops import (DEVICE, DTYPES, INTERPRET, LOW, TOL, assert_close, exact_logits,  # noqa: F401
+                                        fixed_seed, randn)
 
 pytestmark = pytest.mark.gpu
 RUNS_IN_TRITON_INTERPRETER = True  # conftest: TRITON_INTERPRET=1 runs these on the CPU
@@ -299,13 +301,18 @@ def test_moe_experts_all_tokens_on_the_same_experts(dtype: torch.dtype, tokens: 
 def assert_one_token_alone_is_its_row_in_the_batch(args: tuple, activation: str) -> None:
     """Each token alone (the two-kernel path: no alignment, the combine in the down GEMM)
     gives bit for bit its row of the whole batch (the four-kernel path), and the arrival
-    counters are left at zero."""
+    counters are left at zero. In the interpreter, within rounding: its dot is the host
+    BLAS, whose rounding changes with the K step, and one token's up GEMM takes deeper K
+    steps (ONE_TOKEN_TILES); on the GPU the K steps accumulate in one order either way."""
     x, w_up, w_down, weights, ids, shared_up, shared_down = args
     batch = moe.moe_experts(*args[:5], activation, *args[5:])
     for t in range(x.shape[0]):
         alone = moe.moe_experts(x[t:t + 1], w_up, w_down, weights[t:t + 1], ids[t:t + 1], activation, shared_up,
                                 shared_down)
-        assert torch.equal(alone, batch[t:t + 1]), t
+        if INTERPRET:
+            assert_close(alone, batch[t:t + 1], TOL[x.dtype])
+        else:
+            assert torch.equal(alone, batch[t:t + 1]), t
     assert not arrival_counters(x.device).any()
 
 
@@ -320,6 +327,32 @@ def test_moe_experts_one_token_alone_equals_its_row_among_others(dtype: torch.dt
     assert_one_token_alone_is_its_row_in_the_batch(args, activation)
 
 
+def _in_order(tiles: moe.MoeTiles, weight_major: bool) -> moe.MoeTiles:
+    """`tiles` with both GEMMs' products in one order."""
+    return replace(tiles, up=replace(tiles.up, weight_major=weight_major),
+                   down=replace(tiles.down, weight_major=weight_major))
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 64])  # one token (two kernels), 16- and 32-row tiles
+@pytest.mark.parametrize("activation", ["relu2", "swiglu"])
+@pytest.mark.parametrize("shared", [None, 136])
+def test_moe_experts_product_order_gives_the_same_bits(monkeypatch, tokens: int, activation: str,
+                                                        shared: int | None) -> None:
+    """Both GEMMs weight-major (`GemmTiles.weight_major`) and both row-major give the
+    reference's result within tolerance, and on the GPU the same bits (the interpreter's
+    matmul is the host BLAS, whose rounding depends on the order). float32 always runs
+    row-major (FLOAT32_GEMM_TILES), so only the half-precision dtype is compared."""
+    args = _moe_case(tokens, activation, LOW, shared)
+    results = {}
+    for weight_major in (False, True):
+        monkeypatch.setattr(moe, "MOE_TILES", {bm: _in_order(t, weight_major) for bm, t in moe.MOE_TILES.items()})
+        monkeypatch.setattr(moe, "ONE_TOKEN_TILES", _in_order(moe.ONE_TOKEN_TILES, weight_major))
+        results[weight_major] = moe.moe_experts(*args[:5], activation, *args[5:])
+        assert_close(results[weight_major], ref.moe_experts(*args[:5], activation, *args[5:]), TOL[LOW])
+    if not INTERPRET:
+        assert torch.equal(results[True], results[False])
+
+
 def test_moe_experts_one_token_without_enough_arrival_counters_keeps_the_combine_kernel(monkeypatch) -> None:
     """A hidden size with more column tiles than arrival counters: the down GEMM leaves the
     combine to the combine kernel, with the same result bit for bit."""
@@ -332,8 +365,9 @@ def test_moe_experts_one_token_without_enough_arrival_counters_keeps_the_combine
 @needs_cuda
 @pytest.mark.parametrize("preset", ["granite-4.0-h-tiny", "nemotron-3-nano-30b-a3b"])
 def test_moe_experts_one_token_alone_equals_its_row_at_preset_shapes(preset: str) -> None:
-    """The same at the presets' shapes, where one token's column tiles are narrower than
-    three tokens' (`moe_tiles` keeps every SM busy): the products do not change with them."""
+    """The same at the presets' shapes, where one token's tiles differ from three tokens'
+    (ONE_TOKEN_TILES' deeper K steps in the up GEMM; `moe_tiles` narrows columns to keep
+    every SM busy): the products do not change with them."""
     experts, top_k, hidden, inter, shared, activation = PRESET_SHAPES[preset]
     args = _moe_case(3, activation, torch.bfloat16, shared, experts=experts, top_k=top_k, hidden=hidden, inter=inter)
     assert_one_token_alone_is_its_row_in_the_batch(args, activation)

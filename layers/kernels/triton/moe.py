@@ -44,53 +44,79 @@ _ACTIVATIONS = {"relu2": 1, "swiglu": 2}
 
 
 @dataclass(frozen=True)
+class GemmTiles:
+    """One grouped GEMM's column and K tiles, pipeline depth and product order."""
+
+    block_n: int
+    block_k: int
+    num_stages: int
+    # The weight tile as the first operand of the tensor-core product ([BN, BM] sums,
+    # transposed once after the K loop; the same bits), as the few-row projection kernel
+    # takes it for some shapes (linear.Tiling).
+    weight_major: bool = False
+
+
+@dataclass(frozen=True)
 class MoeTiles:
-    """Tile sizes of one fused MoE call (the row tile is shared by alignment and both GEMMs)."""
+    """Tiles of one fused MoE call: the row tile (shared by alignment and both GEMMs), each
+    GEMM's own, and the warps per program."""
 
     block_m: int
-    up: tuple[int, int]  # (BLOCK_N, BLOCK_K) of the up GEMM
-    down: tuple[int, int]  # (BLOCK_N, BLOCK_K) of the down GEMM
+    up: GemmTiles
+    down: GemmTiles
     num_warps: int
-    num_stages: int
 
 
 # By row tile, chosen from the expected rows per expert (`moe_tiles`). Decode-sized calls
 # (a few rows per expert) stream weights: 16-row tiles, long K tiles, several stages in
-# flight. Prefill-sized calls are tensor-core bound: 128-row tiles. Tune here.
+# flight. Prefill-sized calls are tensor-core bound: 128-row tiles. The 16-row down GEMM is
+# weight-major in 3 stages: 1-2.5% faster experts on granite-4.0-h-tiny at 8-128 tokens,
+# within 0.3% on nemotron-3-nano (H200, session 32 in docs/benchmarks.md). Tune here.
 MOE_TILES: dict[int, MoeTiles] = {
-    16: MoeTiles(16, up=(64, 128), down=(64, 128), num_warps=4, num_stages=4),
-    32: MoeTiles(32, up=(64, 128), down=(64, 128), num_warps=4, num_stages=4),
-    64: MoeTiles(64, up=(64, 64), down=(64, 64), num_warps=4, num_stages=3),
-    128: MoeTiles(128, up=(64, 64), down=(128, 64), num_warps=8, num_stages=3),
+    16: MoeTiles(16, up=GemmTiles(64, 128, 4), down=GemmTiles(64, 128, 3, weight_major=True), num_warps=4),
+    32: MoeTiles(32, up=GemmTiles(64, 128, 4), down=GemmTiles(64, 128, 4), num_warps=4),
+    64: MoeTiles(64, up=GemmTiles(64, 64, 3), down=GemmTiles(64, 64, 3), num_warps=4),
+    128: MoeTiles(128, up=GemmTiles(64, 64, 3), down=GemmTiles(128, 64, 3), num_warps=8),
 }
+# One token (batch-1 decode, the two-kernel path): the up GEMM in 256-deep K steps. With
+# them nemotron-3-nano's experts at one token took 45 us against 53 (graph chains of the
+# experts alone); at 8-128 tokens they were 2-4% slower there, so only one token has them.
+ONE_TOKEN_TILES = MoeTiles(16, up=GemmTiles(64, 256, 4), down=GemmTiles(64, 128, 3, weight_major=True), num_warps=4)
 # float32 runs the IEEE dot (the 1e-4 contract): twice the bytes per element, smaller tiles.
-FLOAT32_TILES = {"up": (32, 32), "down": (32, 32), "num_stages": 2}
+FLOAT32_GEMM_TILES = GemmTiles(32, 32, 2)
 MIN_BLOCK_N = 32
-PROGRAMS_PER_SM = 2
+# Column tiles narrow while a GEMM has fewer programs than this many per SM. One, not two:
+# granite-4.0-h-tiny's down GEMM at one token took 64-column tiles (192 programs) 0.4 us
+# faster than 32-column ones (H200, session 32).
+PROGRAMS_PER_SM = 1
 
 
 def moe_tiles(num_pairs: int, num_experts: int, n_up: int, n_down: int, dtype: torch.dtype,
-              num_sms: int = 132) -> MoeTiles:
+              num_sms: int = 132, one_token: bool = False) -> MoeTiles:
     """Tiles for `num_pairs` (token, slot) rows over `num_experts` experts (shared chunks
-    included) with up / down GEMMs `n_up` / `n_down` columns wide.
+    included) with up / down GEMMs `n_up` / `n_down` columns wide; `one_token` for the
+    one-token path (ONE_TOKEN_TILES).
 
     The row tile is the smallest in MOE_TILES that holds the expected rows per expert
-    (num_pairs / num_experts), else the largest. Where the grid would leave SMs idle (decode, narrow
-    experts) the column tiles narrow down to MIN_BLOCK_N so that each SM has
-    PROGRAMS_PER_SM programs streaming weights.
+    (num_pairs / num_experts), else the largest. Where the grid would leave SMs idle (decode,
+    narrow experts) the column tiles narrow down to MIN_BLOCK_N, towards PROGRAMS_PER_SM
+    programs per SM streaming weights.
     """
     row_tiles = sorted(MOE_TILES)
     tiles = MOE_TILES[next((bm for bm in row_tiles if num_pairs / num_experts <= bm), row_tiles[-1])]
+    if one_token:
+        tiles = ONE_TOKEN_TILES
     if dtype == torch.float32:
-        tiles = replace(tiles, **FLOAT32_TILES)
+        tiles = replace(tiles, up=FLOAT32_GEMM_TILES, down=FLOAT32_GEMM_TILES)
     blocks = max_row_blocks(num_pairs, num_experts, tiles.block_m)
 
-    def fit(block_n: int, n: int) -> int:
+    def fit(gemm: GemmTiles, n: int) -> GemmTiles:
+        block_n = gemm.block_n
         while block_n > MIN_BLOCK_N and blocks * triton.cdiv(n, block_n) < PROGRAMS_PER_SM * num_sms:
             block_n //= 2
-        return block_n
+        return replace(gemm, block_n=block_n)
 
-    return replace(tiles, up=(fit(tiles.up[0], n_up), tiles.up[1]), down=(fit(tiles.down[0], n_down), tiles.down[1]))
+    return replace(tiles, up=fit(tiles.up, n_up), down=fit(tiles.down, n_down))
 
 
 @triton.jit
@@ -108,13 +134,35 @@ def _combined_row(y_ptr, weights_ptr, t, cols, c_in, stride_y, TOP_K: tl.constex
 
 
 @triton.jit
+def _weight_major_products(a_base, w_cols, up_offset, r_in, c_in, k_limit, ACT: tl.constexpr,
+                           PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """The K loop of `_moe_gemm_kernel` with the weight tile first: W_e[cols] @ a^T into
+    [BN, BM] sums (and the SwiGLU up half's), returned transposed as [BM, BN]. `w_cols`
+    is the [1, BN] row of weight-row pointers the row-major loop uses."""
+    w_rows = tl.trans(w_cols)  # [BN, 1]: K runs along the tile's second axis
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    acc_up = tl.zeros((BN, BM), dtype=tl.float32)
+    for k0 in range(0, k_limit, BK):
+        kk = k0 + tl.arange(0, BK)
+        k_in = kk < k_limit
+        a = tl.load(a_base + kk[None, :], mask=r_in[:, None] & k_in[None, :], other=0.0)
+        w_mask = c_in[:, None] & k_in[None, :]
+        acc = tl.dot(tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0), tl.trans(a), acc,
+                     input_precision=PRECISION)
+        if ACT == 2:
+            w_up = tl.load(w_rows + up_offset + kk[None, :], mask=w_mask, other=0.0)
+            acc_up = tl.dot(w_up, tl.trans(a), acc_up, input_precision=PRECISION)
+    return tl.trans(acc), tl.trans(acc_up)
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr, w_ptr, ws_ptr, out_ptr, pairs_ptr, block_expert_ptr, expert_end_ptr, ids_ptr, weights_ptr, final_ptr,
     arrivals_ptr, n_dim, k_dim, num_routed, shared_width, stride_am, stride_om, stride_we, stride_wn, stride_sn,
     shared_step, routed_half, shared_half,
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, UP: tl.constexpr, ACT: tl.constexpr, PRECISION: tl.constexpr,
     DIRECT: tl.constexpr, COMBINE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    PDL: tl.constexpr,
+    WEIGHT_MAJOR: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     # One (row block of one expert, column block). UP: out[row] = act(x[token(row)] @ W_e^T),
@@ -152,18 +200,22 @@ def _moe_gemm_kernel(
     up_offset = tl.where(shared, shared_half, routed_half)  # SwiGLU: gate rows -> up rows
     a_base = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am
     c_in = cols < n_limit
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    acc_up = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, k_limit, BK):
-        kk = k0 + tl.arange(0, BK)
-        k_in = kk < k_limit
-        # Rows and K columns past the limits are masked, so unwritten inputs are never read.
-        a = tl.load(a_base + kk[None, :], mask=r_in[:, None] & k_in[None, :], other=0.0)
-        w_mask = c_in[None, :] & k_in[:, None]
-        acc = tl.dot(a, tl.load(w_cols + kk[:, None], mask=w_mask, other=0.0), acc, input_precision=PRECISION)
-        if ACT == 2:
-            w_up = tl.load(w_cols + up_offset + kk[:, None], mask=w_mask, other=0.0)
-            acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
+    if WEIGHT_MAJOR:
+        acc, acc_up = _weight_major_products(a_base, w_cols, up_offset, r_in, c_in, k_limit, ACT, PRECISION, BM, BN,
+                                             BK)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, k_limit, BK):
+            kk = k0 + tl.arange(0, BK)
+            k_in = kk < k_limit
+            # Rows and K columns past the limits are masked, so unwritten inputs are never read.
+            a = tl.load(a_base + kk[None, :], mask=r_in[:, None] & k_in[None, :], other=0.0)
+            w_mask = c_in[None, :] & k_in[:, None]
+            acc = tl.dot(a, tl.load(w_cols + kk[:, None], mask=w_mask, other=0.0), acc, input_precision=PRECISION)
+            if ACT == 2:
+                w_up = tl.load(w_cols + up_offset + kk[:, None], mask=w_mask, other=0.0)
+                acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
     # The reference rounds each projection to the activation dtype before the activation.
     acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
     if ACT == 1:
@@ -210,24 +262,23 @@ class _Weights:
 
 
 def _gemm(a: torch.Tensor, weights: _Weights, out: torch.Tensor, rows: ExpertRows | None, blocks: int,
-          topk_ids: torch.Tensor, tile: tuple[int, int], tiles: MoeTiles, up: bool, act: int, num_routed: int,
+          topk_ids: torch.Tensor, tile: GemmTiles, tiles: MoeTiles, up: bool, act: int, num_routed: int,
           shared_width: int, slots: int, combine: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """One grouped GEMM over `blocks` row blocks. `rows` None: one token, whose pairs are the
     blocks (no alignment). `combine` (the routes' weights, the output): the down GEMM of one
     token combines too."""
-    block_n, block_k = tile
     n_dim = out.shape[1]
     # Arguments a mode does not read get topk_ids as a placeholder pointer.
     aligned = (topk_ids,) * 3 if rows is None else (rows.pairs, rows.block_expert, rows.expert_end)
     topk_weights, final = (topk_ids, topk_ids) if combine is None else combine
     arrivals = topk_ids if combine is None else arrival_counters(a.device)
-    _moe_gemm_kernel[(blocks, triton.cdiv(n_dim, block_n))](
+    _moe_gemm_kernel[(blocks, triton.cdiv(n_dim, tile.block_n))](
         a, weights.routed, weights.shared, out, *aligned, topk_ids, topk_weights, final, arrivals,
         n_dim, a.shape[1], num_routed, shared_width, a.stride(0), out.stride(0), weights.routed.stride(0),
         weights.routed.stride(1), weights.stride_sn, weights.shared_step, weights.routed_half, weights.shared_half,
         TOP_K=topk_ids.shape[1], SLOTS=slots, UP=up, ACT=act, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        DIRECT=rows is None, COMBINE=combine is not None, BM=tiles.block_m, BN=block_n, BK=block_k,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl(a),
+        DIRECT=rows is None, COMBINE=combine is not None, BM=tiles.block_m, BN=tile.block_n, BK=tile.block_k,
+        WEIGHT_MAJOR=tile.weight_major, num_warps=tiles.num_warps, num_stages=tile.num_stages, **pdl(a),
     )
 
 
@@ -282,14 +333,15 @@ def moe_experts(
     chunks = triton.cdiv(shared_width, inter)
     top_k = topk_ids.shape[1]
     slots = top_k + chunks
-    tiles = moe_tiles(num_tokens * slots, num_experts + chunks, inter, hidden, x.dtype, sm_count(x.device))
+    tiles = moe_tiles(num_tokens * slots, num_experts + chunks, inter, hidden, x.dtype, sm_count(x.device),
+                      one_token=num_tokens == 1)
     topk_ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     # One token (batch-1 decode) skips the alignment kernel, and its down GEMM combines
     # when each column tile has an arrival counter: two kernels fewer.
     rows = None if num_tokens == 1 else align_pairs(topk_ids, num_experts, chunks, tiles.block_m)
     blocks = slots if rows is None else rows.max_blocks
-    combine_in_down = rows is None and triton.cdiv(hidden, tiles.down[0]) <= MAX_ARRIVAL_COUNTERS
+    combine_in_down = rows is None and triton.cdiv(hidden, tiles.down.block_n) <= MAX_ARRIVAL_COUNTERS
 
     if shared_up is None:
         up_w = _Weights(w_up, w_up, w_up.stride(1), 0, inter * w_up.stride(1), 0)
