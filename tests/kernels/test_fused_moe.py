@@ -301,17 +301,17 @@ def test_moe_experts_all_tokens_on_the_same_experts(dtype: torch.dtype, tokens: 
 def assert_one_token_alone_is_its_row_in_the_batch(args: tuple, activation: str) -> None:
     """Each token alone (the two-kernel path: no alignment, the combine in the down GEMM)
     gives bit for bit its row of the whole batch (the four-kernel path), and the arrival
-    counters are left at zero. In the interpreter, within rounding: its dot is the host
-    BLAS, whose rounding changes with the K step, and one token's up GEMM takes deeper K
-    steps (ONE_TOKEN_TILES); on the GPU the K steps accumulate in one order either way."""
+    counters are left at zero."""
     x, w_up, w_down, weights, ids, shared_up, shared_down = args
-    batch = moe.moe_experts(*args[:5], activation, *args[5:])
-    for t in range(x.shape[0]):
-        alone = moe.moe_experts(x[t:t + 1], w_up, w_down, weights[t:t + 1], ids[t:t + 1], activation, shared_up,
-                                shared_down)
+    with pytest.MonkeyPatch.context() as patch:
         if INTERPRET:
-            assert_close(alone, batch[t:t + 1], TOL[x.dtype])
-        else:
+            # The interpreter's dot is the host BLAS, whose rounding changes with the K step
+            # (on the GPU the K steps accumulate in one order): one token takes the batch's.
+            patch.setattr(moe, "ONE_TOKEN_UP_TILES", moe.MOE_TILES[16].up)
+        batch = moe.moe_experts(*args[:5], activation, *args[5:])
+        for t in range(x.shape[0]):
+            alone = moe.moe_experts(x[t:t + 1], w_up, w_down, weights[t:t + 1], ids[t:t + 1], activation, shared_up,
+                                    shared_down)
             assert torch.equal(alone, batch[t:t + 1]), t
     assert not arrival_counters(x.device).any()
 
@@ -327,30 +327,36 @@ def test_moe_experts_one_token_alone_equals_its_row_among_others(dtype: torch.dt
     assert_one_token_alone_is_its_row_in_the_batch(args, activation)
 
 
-def _in_order(tiles: moe.MoeTiles, weight_major: bool) -> moe.MoeTiles:
-    """`tiles` with both GEMMs' products in one order."""
-    return replace(tiles, up=replace(tiles.up, weight_major=weight_major),
-                   down=replace(tiles.down, weight_major=weight_major))
+def assert_both_product_orders_give_the_same_bits(monkeypatch, args: tuple, activation: str) -> None:
+    """Every GEMM weight-major and every GEMM row-major (`GemmTiles.weight_major`) give the
+    reference's result within tolerance, and on the GPU the same bits (the interpreter's
+    matmul is the host BLAS, whose rounding depends on the order). Columns stay 64 wide
+    (PROGRAMS_PER_SM 0: no narrowing), where in 16-row tiles the weight-major product takes
+    Hopper's warpgroup instruction (wgmma) and the row-major one does not."""
+    monkeypatch.setattr(moe, "PROGRAMS_PER_SM", 0)
+    results = {}
+    for weight_major in (False, True):
+        def in_order(gemm: moe.GemmTiles) -> moe.GemmTiles:
+            return replace(gemm, weight_major=weight_major)
+        monkeypatch.setattr(moe, "MOE_TILES", {bm: replace(t, up=in_order(t.up), down=in_order(t.down))
+                                               for bm, t in moe.MOE_TILES.items()})
+        monkeypatch.setattr(moe, "ONE_TOKEN_UP_TILES", in_order(moe.ONE_TOKEN_UP_TILES))
+        results[weight_major] = moe.moe_experts(*args[:5], activation, *args[5:])
+        assert_close(results[weight_major], ref.moe_experts(*args[:5], activation, *args[5:]), TOL[args[0].dtype])
+    if not INTERPRET:
+        assert torch.equal(results[True], results[False])
 
 
-@pytest.mark.parametrize("tokens", [1, 5, 64])  # one token (two kernels), 16- and 32-row tiles
+@pytest.mark.parametrize("tokens", [1, 5, 100])  # one token (two kernels), 16-row tiles, 32 or 64 rows
 @pytest.mark.parametrize("activation", ["relu2", "swiglu"])
 @pytest.mark.parametrize("shared", [None, 136])
 def test_moe_experts_product_order_gives_the_same_bits(monkeypatch, tokens: int, activation: str,
                                                         shared: int | None) -> None:
-    """Both GEMMs weight-major (`GemmTiles.weight_major`) and both row-major give the
-    reference's result within tolerance, and on the GPU the same bits (the interpreter's
-    matmul is the host BLAS, whose rounding depends on the order). float32 always runs
-    row-major (FLOAT32_GEMM_TILES), so only the half-precision dtype is compared."""
-    args = _moe_case(tokens, activation, LOW, shared)
-    results = {}
-    for weight_major in (False, True):
-        monkeypatch.setattr(moe, "MOE_TILES", {bm: _in_order(t, weight_major) for bm, t in moe.MOE_TILES.items()})
-        monkeypatch.setattr(moe, "ONE_TOKEN_TILES", _in_order(moe.ONE_TOKEN_TILES, weight_major))
-        results[weight_major] = moe.moe_experts(*args[:5], activation, *args[5:])
-        assert_close(results[weight_major], ref.moe_experts(*args[:5], activation, *args[5:]), TOL[LOW])
-    if not INTERPRET:
-        assert torch.equal(results[True], results[False])
+    """Both product orders, over several K steps with ragged tails (hidden 320, intermediate
+    288). float32 always runs row-major (FLOAT32_GEMM_TILES): only the half-precision dtype
+    is compared."""
+    args = _moe_case(tokens, activation, LOW, shared, hidden=320, inter=288)
+    assert_both_product_orders_give_the_same_bits(monkeypatch, args, activation)
 
 
 def test_moe_experts_one_token_without_enough_arrival_counters_keeps_the_combine_kernel(monkeypatch) -> None:
@@ -364,13 +370,29 @@ def test_moe_experts_one_token_without_enough_arrival_counters_keeps_the_combine
 
 @needs_cuda
 @pytest.mark.parametrize("preset", ["granite-4.0-h-tiny", "nemotron-3-nano-30b-a3b"])
-def test_moe_experts_one_token_alone_equals_its_row_at_preset_shapes(preset: str) -> None:
-    """The same at the presets' shapes, where one token's tiles differ from three tokens'
-    (ONE_TOKEN_TILES' deeper K steps in the up GEMM; `moe_tiles` narrows columns to keep
-    every SM busy): the products do not change with them."""
+# 16-row tiles; 64 (granite) and 32 (nano) rows; 128 and 64 rows
+@pytest.mark.parametrize("tokens", [3, 300, 600])
+def test_moe_experts_one_token_alone_equals_its_row_at_preset_shapes(preset: str, tokens: int) -> None:
+    """The same at the presets' shapes, where one token's tiles differ from a batch's: the
+    one-token up GEMM's deeper K steps (nano), narrower columns (`moe_tiles` keeps every SM
+    busy), and past 16 rows per expert row-major down GEMMs on other row tiles and
+    instructions. The products do not change with them."""
     experts, top_k, hidden, inter, shared, activation = PRESET_SHAPES[preset]
-    args = _moe_case(3, activation, torch.bfloat16, shared, experts=experts, top_k=top_k, hidden=hidden, inter=inter)
+    args = _moe_case(tokens, activation, torch.bfloat16, shared, experts=experts, top_k=top_k, hidden=hidden,
+                     inter=inter)
     assert_one_token_alone_is_its_row_in_the_batch(args, activation)
+
+
+@needs_cuda
+@pytest.mark.parametrize("preset", ["granite-4.0-h-tiny", "nemotron-3-nano-30b-a3b"])
+@pytest.mark.parametrize("tokens", [1, 32])
+def test_moe_experts_product_order_gives_the_same_bits_at_preset_shapes(monkeypatch, preset: str,
+                                                                         tokens: int) -> None:
+    """Both product orders at the presets' shapes, one token and 16-row tiles."""
+    experts, top_k, hidden, inter, shared, activation = PRESET_SHAPES[preset]
+    args = _moe_case(tokens, activation, torch.bfloat16, shared, experts=experts, top_k=top_k, hidden=hidden,
+                     inter=inter)
+    assert_both_product_orders_give_the_same_bits(monkeypatch, args, activation)
 
 
 def test_moe_experts_is_deterministic_and_handles_no_tokens() -> None:

@@ -78,10 +78,14 @@ MOE_TILES: dict[int, MoeTiles] = {
     64: MoeTiles(64, up=GemmTiles(64, 64, 3), down=GemmTiles(64, 64, 3), num_warps=4),
     128: MoeTiles(128, up=GemmTiles(64, 64, 3), down=GemmTiles(128, 64, 3), num_warps=8),
 }
-# One token (batch-1 decode, the two-kernel path): the up GEMM in 256-deep K steps. With
-# them nemotron-3-nano's experts at one token took 45 us against 53 (graph chains of the
-# experts alone); at 8-128 tokens they were 2-4% slower there, so only one token has them.
-ONE_TOKEN_TILES = MoeTiles(16, up=GemmTiles(64, 256, 4), down=GemmTiles(64, 128, 3, weight_major=True), num_warps=4)
+# One token (batch-1 decode, the two-kernel path) of an activation with one weight tile per
+# K step (relu2): the up GEMM in 256-deep K steps. With them nemotron-3-nano's experts at
+# one token took 45 us against 53 (graph chains of the experts alone); at 8-128 tokens they
+# were 2-4% slower there, so only one token has them. SwiGLU keeps the 16-row up tiles: its
+# two weight tiles per step would need 221 KB of shared memory in 64-column tiles (an
+# A100 has 163 KB), and granite-4.0-h-tiny's experts gained nothing from the deeper steps
+# (15.13 against 15.01 us; H200, session 32).
+ONE_TOKEN_UP_TILES = GemmTiles(64, 256, 4)
 # float32 runs the IEEE dot (the 1e-4 contract): twice the bytes per element, smaller tiles.
 FLOAT32_GEMM_TILES = GemmTiles(32, 32, 2)
 MIN_BLOCK_N = 32
@@ -92,20 +96,21 @@ PROGRAMS_PER_SM = 1
 
 
 def moe_tiles(num_pairs: int, num_experts: int, n_up: int, n_down: int, dtype: torch.dtype,
-              num_sms: int = 132, one_token: bool = False) -> MoeTiles:
+              num_sms: int = 132, one_token: bool = False, gated: bool = False) -> MoeTiles:
     """Tiles for `num_pairs` (token, slot) rows over `num_experts` experts (shared chunks
     included) with up / down GEMMs `n_up` / `n_down` columns wide; `one_token` for the
-    one-token path (ONE_TOKEN_TILES).
+    one-token path, `gated` for an activation with two weight tiles per K step (SwiGLU).
 
     The row tile is the smallest in MOE_TILES that holds the expected rows per expert
-    (num_pairs / num_experts), else the largest. Where the grid would leave SMs idle (decode,
-    narrow experts) the column tiles narrow down to MIN_BLOCK_N, towards PROGRAMS_PER_SM
-    programs per SM streaming weights.
+    (num_pairs / num_experts), else the largest; one ungated token's up GEMM takes
+    ONE_TOKEN_UP_TILES. Where the grid would leave SMs idle (decode, narrow experts) the
+    column tiles narrow down to MIN_BLOCK_N, towards PROGRAMS_PER_SM programs per SM
+    streaming weights.
     """
     row_tiles = sorted(MOE_TILES)
     tiles = MOE_TILES[next((bm for bm in row_tiles if num_pairs / num_experts <= bm), row_tiles[-1])]
-    if one_token:
-        tiles = ONE_TOKEN_TILES
+    if one_token and not gated:
+        tiles = replace(tiles, up=ONE_TOKEN_UP_TILES)
     if dtype == torch.float32:
         tiles = replace(tiles, up=FLOAT32_GEMM_TILES, down=FLOAT32_GEMM_TILES)
     blocks = max_row_blocks(num_pairs, num_experts, tiles.block_m)
@@ -134,25 +139,17 @@ def _combined_row(y_ptr, weights_ptr, t, cols, c_in, stride_y, TOP_K: tl.constex
 
 
 @triton.jit
-def _weight_major_products(a_base, w_cols, up_offset, r_in, c_in, k_limit, ACT: tl.constexpr,
-                           PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """The K loop of `_moe_gemm_kernel` with the weight tile first: W_e[cols] @ a^T into
-    [BN, BM] sums (and the SwiGLU up half's), returned transposed as [BM, BN]. `w_cols`
-    is the [1, BN] row of weight-row pointers the row-major loop uses."""
-    w_rows = tl.trans(w_cols)  # [BN, 1]: K runs along the tile's second axis
-    acc = tl.zeros((BN, BM), dtype=tl.float32)
-    acc_up = tl.zeros((BN, BM), dtype=tl.float32)
-    for k0 in range(0, k_limit, BK):
-        kk = k0 + tl.arange(0, BK)
-        k_in = kk < k_limit
-        a = tl.load(a_base + kk[None, :], mask=r_in[:, None] & k_in[None, :], other=0.0)
-        w_mask = c_in[:, None] & k_in[None, :]
-        acc = tl.dot(tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0), tl.trans(a), acc,
-                     input_precision=PRECISION)
-        if ACT == 2:
-            w_up = tl.load(w_rows + up_offset + kk[None, :], mask=w_mask, other=0.0)
-            acc_up = tl.dot(w_up, tl.trans(a), acc_up, input_precision=PRECISION)
-    return tl.trans(acc), tl.trans(acc_up)
+def _product_step(acc, a, w_ptrs, kk, k_in, c_in, WEIGHT_MAJOR: tl.constexpr, PRECISION: tl.constexpr):
+    """`acc` plus one K step's product of the rows `a` [BM, BK] and the weight rows at
+    `w_ptrs` (pointers to column kk = 0): [BM, BN] sums row-major (w_ptrs [1, BN]), [BN, BM]
+    weight-major (w_ptrs [BN, 1]: the weight tile first in the tensor-core product)."""
+    if WEIGHT_MAJOR:
+        w = tl.load(w_ptrs + kk[None, :], mask=c_in[:, None] & k_in[None, :], other=0.0)
+        acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
+    else:
+        w = tl.load(w_ptrs + kk[:, None], mask=c_in[None, :] & k_in[:, None], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit
@@ -200,22 +197,26 @@ def _moe_gemm_kernel(
     up_offset = tl.where(shared, shared_half, routed_half)  # SwiGLU: gate rows -> up rows
     a_base = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am
     c_in = cols < n_limit
+    # Weight-major: [BN, BM] sums, transposed once after the K loop (the same bits).
     if WEIGHT_MAJOR:
-        acc, acc_up = _weight_major_products(a_base, w_cols, up_offset, r_in, c_in, k_limit, ACT, PRECISION, BM, BN,
-                                             BK)
+        w_ptrs = tl.trans(w_cols)  # [BN, 1]: K runs along the weight tile's second axis
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        acc_up = tl.zeros((BN, BM), dtype=tl.float32)
     else:
+        w_ptrs = w_cols
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         acc_up = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, k_limit, BK):
-            kk = k0 + tl.arange(0, BK)
-            k_in = kk < k_limit
-            # Rows and K columns past the limits are masked, so unwritten inputs are never read.
-            a = tl.load(a_base + kk[None, :], mask=r_in[:, None] & k_in[None, :], other=0.0)
-            w_mask = c_in[None, :] & k_in[:, None]
-            acc = tl.dot(a, tl.load(w_cols + kk[:, None], mask=w_mask, other=0.0), acc, input_precision=PRECISION)
-            if ACT == 2:
-                w_up = tl.load(w_cols + up_offset + kk[:, None], mask=w_mask, other=0.0)
-                acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
+    for k0 in range(0, k_limit, BK):
+        kk = k0 + tl.arange(0, BK)
+        k_in = kk < k_limit
+        # Rows and K columns past the limits are masked, so unwritten inputs are never read.
+        a = tl.load(a_base + kk[None, :], mask=r_in[:, None] & k_in[None, :], other=0.0)
+        acc = _product_step(acc, a, w_ptrs, kk, k_in, c_in, WEIGHT_MAJOR, PRECISION)
+        if ACT == 2:
+            acc_up = _product_step(acc_up, a, w_ptrs + up_offset, kk, k_in, c_in, WEIGHT_MAJOR, PRECISION)
+    if WEIGHT_MAJOR:
+        acc = tl.trans(acc)
+        acc_up = tl.trans(acc_up)
     # The reference rounds each projection to the activation dtype before the activation.
     acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
     if ACT == 1:
@@ -334,7 +335,7 @@ def moe_experts(
     top_k = topk_ids.shape[1]
     slots = top_k + chunks
     tiles = moe_tiles(num_tokens * slots, num_experts + chunks, inter, hidden, x.dtype, sm_count(x.device),
-                      one_token=num_tokens == 1)
+                      one_token=num_tokens == 1, gated=activation == "swiglu")
     topk_ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     # One token (batch-1 decode) skips the alignment kernel, and its down GEMM combines
