@@ -70,7 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-request-body-bytes", type=int, default=defaults.max_request_body_bytes,
                    help="larger request bodies are answered 413 before they are read (default: 8 MiB)")
     p.add_argument("--max-connections", type=int, default=defaults.max_connections,
-                   help="requests on connections beyond this many open ones are answered 503")
+                   help="this many open connections are served (the first to open); a request on a further "
+                        "one is answered 503 and that connection closed (default: 2048)")
     p.add_argument("--timeout-keep-alive", type=float, default=defaults.timeout_keep_alive,
                    help="seconds an idle keep-alive connection stays open")
     p.add_argument("--request-read-timeout", type=float, default=defaults.request_read_timeout,

@@ -1,15 +1,20 @@
 """Connection handling uvicorn leaves open: read timeouts, a connection cap that holds before
 file descriptors run out, half-closed clients, and quiet logs when many connections misbehave.
 
-uvicorn (h11) has a keep-alive timeout and `limit_concurrency` (a request on a connection
-beyond the limit is answered 503), but no timeout on reading a request: a client that sends
-half a header and then nothing holds its connection forever (slowloris), and enough of them
-exhaust the process's file descriptors, after which asyncio logs a traceback for every
-failed accept and nothing, /health included, gets in. `GuardedH11Protocol` adds:
+uvicorn (h11) has a keep-alive timeout, but no timeout on reading a request: a client that
+sends half a header and then nothing holds its connection forever (slowloris), and enough
+of them exhaust the process's file descriptors, after which asyncio logs a traceback for
+every failed accept and nothing, /health included, gets in. Its `limit_concurrency` answers
+503 to every request while the open connections exceed it, those on connections it was
+already serving included. `GuardedH11Protocol` adds:
 
 - a read deadline: a request's head and body must arrive within `request_read_timeout`
   seconds (from the connection's opening for its first request, from the first byte for
   later ones), or the connection is closed;
+- a connection cap (`max_connections`): the first connections to open are served, and a
+  request on a connection beyond them gets a JSON 503 and the connection closes, while the
+  served ones carry on; a connection beyond them whose request comes after a served one
+  closed takes its place;
 - a hard cap below the open-file limit: a connection accepted beyond it is closed at once,
   so accepting never fails for lack of file descriptors;
 - half-close: a client that shuts down its sending side right after a complete request
@@ -35,7 +40,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from hybrid_engine.server.errors import APIError
+from hybrid_engine.server.errors import SERVER_ERROR, APIError
 from hybrid_engine.server.limits import ServerLimits
 
 logger = logging.getLogger(__name__)
@@ -68,13 +73,17 @@ def raise_open_file_limit() -> int:
 
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol plus the guards in the module doc. Subclassed per server by
-    `protocol_class` to set `read_timeout` and `max_open_connections`."""
+    `protocol_class` to set `read_timeout`, `max_connections`, `served` (that server's
+    connections within `max_connections`) and `max_open_connections`."""
 
     read_timeout: float
+    max_connections: int
+    served: set["GuardedH11Protocol"]
     max_open_connections: int
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
+        self._serving_app = self.app
         self._read_deadline: asyncio.TimerHandle | None = None
         self._refused = False  # closed at accept: over the hard cap
         self._peer_closed = False  # EOF after the request: the client shut down its sending side, or left
@@ -97,20 +106,45 @@ class GuardedH11Protocol(H11Protocol):
             transport.close()
             return
         super().connection_made(transport)
+        self._take_a_place()
         self._arm_read_deadline()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._refused:
             return
+        self.served.discard(self)
         self._disarm_read_deadline()
         if self._peer_check is not None:
             self._peer_check.cancel()
         super().connection_lost(exc)
 
+    def _take_a_place(self) -> bool:
+        """Whether this connection is among the `max_connections` served, taking a free place
+        if it was not."""
+        if self not in self.served and len(self.served) < self.max_connections:
+            self.served.add(self)
+        return self in self.served
+
+    async def _over_the_connection_limit(self, scope: Any, receive: Any, send: Any) -> None:
+        """The ASGI app for a request on a connection beyond `max_connections`: a JSON 503,
+        then the connection closes."""
+        logger.warning("a request on a connection beyond --max-connections (%d) was answered 503",
+                       self.max_connections)
+        error = APIError(f"the server is serving --max-connections ({self.max_connections}) connections; "
+                         "retry once one closes", status=503, type=SERVER_ERROR, code="too_many_connections")
+        body = json.dumps(error.body()).encode()
+        await send({"type": "http.response.start", "status": 503,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
     # ---- reading a request -------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
-        if self._read_deadline is None and self.conn.their_state is h11.IDLE:
-            self._arm_read_deadline()  # the first bytes of a keep-alive connection's next request
+        if self.conn.their_state is h11.IDLE:
+            if self._read_deadline is None:
+                self._arm_read_deadline()  # the first bytes of a keep-alive connection's next request
+            # uvicorn reads `self.app` when the request's head is in.
+            self.app = self._serving_app if self._take_a_place() else self._over_the_connection_limit
         super().data_received(data)
         if self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):
             self._disarm_read_deadline()  # the request is in (or the connection is done)
@@ -188,24 +222,24 @@ class GuardedH11Protocol(H11Protocol):
 def protocol_class(limits: ServerLimits, max_open_connections: int) -> type[GuardedH11Protocol]:
     """A GuardedH11Protocol for one server's limits."""
     return type("GuardedH11Protocol", (GuardedH11Protocol,),
-                {"read_timeout": limits.request_read_timeout, "max_open_connections": max_open_connections})
+                {"read_timeout": limits.request_read_timeout, "max_connections": limits.max_connections,
+                 "served": set(), "max_open_connections": max_open_connections})
 
 
 def uvicorn_config(app: Any, limits: ServerLimits, **kwargs: Any) -> uvicorn.Config:
     """uvicorn's Config for `app` under `limits` (other uvicorn options in `kwargs`).
 
-    uvicorn answers 503 when the open connections, counting the new one, reach
-    `limit_concurrency`: hence `max_connections + 1`, so that exactly `max_connections`
-    connections are served. Connections beyond the open-file limit less RESERVED_FDS are
-    closed at accept (with a warning at start-up if that is below max_connections).
+    `GuardedH11Protocol` caps the connections served (`max_connections`), not uvicorn's
+    `limit_concurrency`, which would refuse the served connections' requests too. Connections
+    beyond the open-file limit less RESERVED_FDS are closed at accept (with a warning at
+    start-up if that is below max_connections).
     """
     fd_cap = raise_open_file_limit() - RESERVED_FDS
     if fd_cap < limits.max_connections:
         logger.warning("--max-connections %d is above what the open-file limit allows (%d connections): "
                        "connections beyond %d are closed unanswered", limits.max_connections, fd_cap, fd_cap)
-    return uvicorn.Config(app, http=protocol_class(limits, max(fd_cap, 1)), limit_concurrency=limits.max_connections + 1,
-                          timeout_keep_alive=limits.timeout_keep_alive, h11_max_incomplete_event_size=MAX_HEAD_BYTES,
-                          **kwargs)
+    return uvicorn.Config(app, http=protocol_class(limits, max(fd_cap, 1)), timeout_keep_alive=limits.timeout_keep_alive,
+                          h11_max_incomplete_event_size=MAX_HEAD_BYTES, **kwargs)
 
 
 class _QuietConnectionLogs(logging.Filter):
@@ -242,9 +276,9 @@ class _QuietConnectionLogs(logging.Filter):
 
 
 def quiet_connection_logs(interval: float = QUIET_LOG_INTERVAL_S) -> None:
-    """Tame what misbehaving connections make asyncio and uvicorn log (failed accepts, the
-    concurrency limit, malformed requests): see `_QuietConnectionLogs`. Call after uvicorn
-    configured logging (creating its Config does)."""
+    """Tame what misbehaving connections make asyncio, uvicorn and this module log (failed
+    accepts, malformed requests, the connection cap): see `_QuietConnectionLogs`. Call after
+    uvicorn configured logging (creating its Config does)."""
     quiet = _QuietConnectionLogs(interval)
-    for name in ("asyncio", "uvicorn.error"):
+    for name in ("asyncio", "uvicorn.error", __name__):
         logging.getLogger(name).addFilter(quiet)

@@ -23,7 +23,8 @@ class ServerLimits:
     `--max-connections`, `--timeout-keep-alive`, `--request-read-timeout`; docs/server.md).
 
     max_request_body_bytes: a larger request body is answered with 413 before it is read.
-    max_connections: requests on connections beyond this many open ones are answered 503.
+    max_connections: this many open connections are served (the first to open); a request on
+        a further one is answered 503 and that connection closed.
     timeout_keep_alive: seconds an idle keep-alive connection stays open between requests.
     request_read_timeout: seconds a request's head and body have to arrive in full (from the
         connection's opening for its first request, from the first byte for later ones);

@@ -72,26 +72,37 @@ def test_idle_keep_alive_connection_is_closed(impatient):
 
 
 def test_connections_beyond_the_limit_get_503_then_health_recovers(capped):
-    """With --max-connections 4, a fourth connection is served and a fifth answered 503 (logged
-    once however often it happens); once connections close, /health is 200 again."""
+    """With --max-connections 4, a fourth connection is served and requests on further ones
+    are answered a JSON 503 (logged once however often it happens), while the four served
+    connections keep being answered; once connections close, /health is 200 again."""
     url, log = capped
-    idle = [raw_connect(url) for _ in range(MAX_CONNECTIONS - 1)]
+    served = [raw_connect(url) for _ in range(MAX_CONNECTIONS - 1)]
+    beyond = None
     try:
-        for sock in idle:
+        for sock in served[1:]:
             sock.sendall(PARTIAL_HEAD)
         # The fourth connection is served (once the server has seen earlier tests' connections close).
         wait_until(lambda: _health(url) == 200, what="a fourth connection to be served")
-        idle.append(raw_connect(url))
-        idle[-1].sendall(PARTIAL_HEAD)
-        for _ in range(3):
+        served.append(raw_connect(url))
+        served[-1].sendall(PARTIAL_HEAD)
+        beyond = raw_connect(url)  # a fifth connection, held open
+        for _ in range(3):  # a sixth, each time
             r = httpx.get(f"{url}/health", timeout=30)
             assert r.status_code == 503 and r.headers["connection"] == "close"
+            assert r.json()["error"]["code"] == "too_many_connections"
+        # With more connections open than the limit, the served ones are still answered.
+        for _ in range(2):
+            served[0].sendall(request_head("GET", "/health"))
+            assert read_response(served[0]).status == 200
+        beyond.sendall(request_head("GET", "/health"))
+        refused = read_response(beyond)
+        assert refused.status == 503 and refused.json()["error"]["code"] == "too_many_connections"
     finally:
-        for sock in idle:
+        for sock in served + [beyond] * (beyond is not None):
             sock.close()
     wait_until(lambda: _health(url) == 200, what="/health to recover")
     text = _log_text(log)
-    assert text.count("Exceeded concurrency limit.") == 1, text
+    assert text.count("beyond --max-connections (4) was answered 503") == 1, text
     assert "Traceback" not in text
 
 
