@@ -52,7 +52,7 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> R
 
 def build_app(llm: AsyncLLM, served_model_name: str | None = None, limits: ServerLimits = ServerLimits()) -> FastAPI:
     """The OpenAI-compatible app over `llm`, refusing bodies over `limits.max_request_body_bytes`
-    (the connection limits are uvicorn's: `connections.uvicorn_config`); the app's shutdown
+    (the connection limits are the HTTP protocol's: `connections.uvicorn_config`); the app's shutdown
     stops the engine thread."""
     model_name = served_model_name or llm.info.model_name
     tokenizer_thread = TokenizerThread(llm.info.tokenizer)

@@ -238,8 +238,11 @@ def uvicorn_config(app: Any, limits: ServerLimits, **kwargs: Any) -> uvicorn.Con
     if fd_cap < limits.max_connections:
         logger.warning("--max-connections %d is above what the open-file limit allows (%d connections): "
                        "connections beyond %d are closed unanswered", limits.max_connections, fd_cap, fd_cap)
-    return uvicorn.Config(app, http=protocol_class(limits, max(fd_cap, 1)), timeout_keep_alive=limits.timeout_keep_alive,
-                          h11_max_incomplete_event_size=MAX_HEAD_BYTES, **kwargs)
+    # No WebSockets (ws="none"): an upgraded connection would leave GuardedH11Protocol
+    # without its connection_lost, holding its place in `served` for good.
+    return uvicorn.Config(app, http=protocol_class(limits, max(fd_cap, 1)), ws="none",
+                          timeout_keep_alive=limits.timeout_keep_alive, h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+                          **kwargs)
 
 
 class _QuietConnectionLogs(logging.Filter):

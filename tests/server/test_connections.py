@@ -71,29 +71,49 @@ def test_idle_keep_alive_connection_is_closed(impatient):
         assert sock.recv(1) == b""  # --timeout-keep-alive passed
 
 
+def _served_connection(url: str) -> socket.socket:
+    """A new connection that the server serves (its /health answered 200), kept open;
+    retried while earlier connections still hold the places."""
+    served: list[socket.socket] = []
+
+    def try_one() -> bool:
+        sock = raw_connect(url)
+        sock.sendall(request_head("GET", "/health"))
+        if read_response(sock).status == 200:
+            served.append(sock)
+            return True
+        sock.close()
+        return False
+
+    wait_until(try_one, what="a connection to be served")
+    return served[0]
+
+
 def test_connections_beyond_the_limit_get_503_then_health_recovers(capped):
-    """With --max-connections 4, a fourth connection is served and requests on further ones
-    are answered a JSON 503 (logged once however often it happens), while the four served
-    connections keep being answered; once connections close, /health is 200 again."""
+    """With --max-connections 4, four connections are served and requests on further ones are
+    answered a JSON 503 (logged once however often it happens), while the served connections
+    keep being answered; once connections close, /health is 200 again."""
     url, log = capped
-    served = [raw_connect(url) for _ in range(MAX_CONNECTIONS - 1)]
+    served: list[socket.socket] = []
     beyond = None
     try:
+        for _ in range(MAX_CONNECTIONS):
+            served.append(_served_connection(url))
+        # Each holds half a request (the read timeout, not the keep-alive one, runs); the
+        # first one's is the head of a GET that it completes later.
+        served[0].sendall(request_head("GET", "/health")[:-2])
         for sock in served[1:]:
             sock.sendall(PARTIAL_HEAD)
-        # The fourth connection is served (once the server has seen earlier tests' connections close).
-        wait_until(lambda: _health(url) == 200, what="a fourth connection to be served")
-        served.append(raw_connect(url))
-        served[-1].sendall(PARTIAL_HEAD)
         beyond = raw_connect(url)  # a fifth connection, held open
         for _ in range(3):  # a sixth, each time
             r = httpx.get(f"{url}/health", timeout=30)
             assert r.status_code == 503 and r.headers["connection"] == "close"
             assert r.json()["error"]["code"] == "too_many_connections"
         # With more connections open than the limit, the served ones are still answered.
-        for _ in range(2):
-            served[0].sendall(request_head("GET", "/health"))
-            assert read_response(served[0]).status == 200
+        served[0].sendall(b"\r\n")
+        assert read_response(served[0]).status == 200
+        served[0].sendall(request_head("GET", "/health"))
+        assert read_response(served[0]).status == 200
         beyond.sendall(request_head("GET", "/health"))
         refused = read_response(beyond)
         assert refused.status == 503 and refused.json()["error"]["code"] == "too_many_connections"
