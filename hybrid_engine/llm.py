@@ -1,4 +1,5 @@
 """The offline API: `LLM(...).generate(prompts, sampling_params)`."""
+import threading
 import time
 from typing import Sequence
 
@@ -19,12 +20,15 @@ class LLM:
     random weights, anything else a HF checkpoint directory. The keyword arguments are
     `EngineConfig`'s; `llm.engine` is the underlying `LLMEngine`. With
     `tensor_parallel_size=N` the model is sharded over N processes that the `LLM` starts
-    itself (docs/parallel.md); `shutdown()` stops them.
+    itself (docs/parallel.md); `shutdown()` stops them. One `generate` runs at a time: a
+    call from another thread meanwhile raises RuntimeError (for concurrent callers, serve
+    the model: scripts/serve_hybrid.py).
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs):
         self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
         self._next_id = 0
+        self._generating = threading.Lock()
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (`tensor_parallel_size` > 1) and free
@@ -39,23 +43,37 @@ class LLM:
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs come back in prompt order.
 
-        Invalid input raises ValueError before anything is queued. `generate` steps the
-        engine until its prompts finish, so it needs the engine to itself: with requests
-        added through `llm.engine` still unfinished it raises RuntimeError (their outputs
-        would otherwise be consumed here).
+        `sampling_params`: one SamplingParams (or dict of its fields) for every prompt, or
+        one per prompt. Invalid input raises ValueError before anything is queued.
+        `generate` steps the engine until its prompts finish, so it needs the engine to
+        itself: with requests added through `llm.engine` still unfinished, or another
+        thread's `generate` running, it raises RuntimeError (their outputs would otherwise
+        be consumed here).
         """
+        if not self._generating.acquire(blocking=False):
+            raise RuntimeError("generate() is already running in another thread: an LLM serves one caller at a "
+                               "time (use one LLM per thread, or serve the model for concurrent clients)")
+        try:
+            return self._generate(prompts, sampling_params, use_tqdm)
+        finally:
+            self._generating.release()
+
+    def _generate(self, prompts: Prompt | Sequence[Prompt],
+                  sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None,
+                  use_tqdm: bool) -> list[RequestOutput]:
+        """`generate`'s work, under its lock."""
         if self.engine.has_unfinished_requests():
             raise RuntimeError("generate() needs the engine to itself: it has unfinished requests (added through "
                                "llm.engine, or left by an interrupted generate()); step or abort them first")
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        if sampling_params is None or isinstance(sampling_params, (SamplingParams, dict)):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         else:
             params_list = list(sampling_params)

@@ -110,8 +110,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not (value is None and name in _NULLABLE):
                 setattr(self, name, check_value(name, value, valid))
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
+        # Lists are copied: a caller's later edits of its own list never reach a request.
+        if isinstance(self.stop, (str, list)):
+            self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if self.stop is not None:
             if not (isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop)):
                 raise ParameterError("stop", f"stop must be a string or a list of strings, got {self.stop!r}")
@@ -125,6 +126,8 @@ class SamplingParams:
         ):
             raise ParameterError("stop_token_ids", f"stop_token_ids must be a list of non-negative ints, "
                                                    f"got {self.stop_token_ids!r}")
+        if self.stop_token_ids is not None:
+            self.stop_token_ids = list(self.stop_token_ids)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ParameterError(name, f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -519,12 +519,12 @@ class Scheduler:
             self._release(request)
 
     def _release(self, request: Request) -> None:
-        """Return a request's blocks and Mamba state to the pools (and its drafting state)."""
-        if self.drafter is not None:
-            self.drafter.release(request)
+        """Return a request's blocks and Mamba state to the pools, then its drafting state."""
         if request.blocks:
             self.kv.release(reversed(request.blocks))  # (its deepest cached blocks evict first)
             request.blocks = []  # a new list: the runner's block-table cache keys on it
         if request.state is not None:
             self.mamba.free(request.state)
             request.state = None
+        if self.drafter is not None:
+            self.drafter.release(request)

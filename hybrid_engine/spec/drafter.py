@@ -162,11 +162,17 @@ class Drafter:
     def release(self, request: Request) -> None:
         """The request left the running set (finished or evicted): its drafting history goes,
         and a proposer that keeps per-request state (`forget(request_id)`, as the n-gram
-        index does) drops it."""
+        index does) drops it. A failing `forget` is logged, as a failing proposal is, and
+        costs nothing else: the request has already left."""
         self._history.pop(request.request_id, None)
         forget = getattr(self.proposer, "forget", None)
-        if forget is not None:
+        if forget is None:
+            return
+        try:
             forget(request.request_id)
+        except Exception as error:
+            logger.warning("speculative proposer's forget failed for request %s (%s: %s)", request.request_id,
+                           type(error).__name__, error)
 
     def record(self, request: Request, num_proposed: int, num_accepted: int) -> None:
         """A verify row retired: back off while every draft is rejected."""

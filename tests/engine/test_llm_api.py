@@ -1,6 +1,7 @@
 """The offline API as README.md documents it: `LLM().generate(...)` on the embedded model,
 every prompt form, outputs in prompt order, logprobs shape, tqdm on and off."""
 import math
+import threading
 
 import pytest
 
@@ -152,3 +153,40 @@ def test_generate_with_an_invalid_prompt_queues_nothing(make_llm):
         llm.generate(["ok", "\ud800x"], use_tqdm=False)
     assert not llm.engine.has_unfinished_requests() and llm.engine.stats()["steps"] == 0
     assert llm.generate(["ok"], use_tqdm=False)[0].finished
+
+
+def test_generate_from_a_second_thread_meanwhile_raises_and_the_first_is_unharmed(make_llm):
+    """While one thread's generate runs, another thread's call raises RuntimeError at once
+    and queues nothing; the first call's outputs are those of a run alone."""
+    prompts, params = [byte_prompt(24, salt=i) for i in range(3)], seeded(40, seed=11)
+    alone = [o.output_token_ids for o in make_llm().generate(prompts, params, use_tqdm=False)]
+    llm = make_llm()
+    stepping, go_on = threading.Event(), threading.Event()
+    step = llm.engine.step
+
+    def first_step_waits():  # holds the first call inside generate until the second has tried
+        stepping.set()
+        go_on.wait()
+        return step()
+
+    llm.engine.step = first_step_waits
+    results: list = []
+    first = threading.Thread(target=lambda: results.append(llm.generate(prompts, params, use_tqdm=False)))
+    first.start()
+    try:
+        assert stepping.wait(timeout=60)
+        with pytest.raises(RuntimeError, match="already running in another thread"):
+            llm.generate(prompts[:1], params, use_tqdm=False)
+    finally:
+        go_on.set()
+        first.join()
+    assert [o.output_token_ids for o in results[0]] == alone
+    assert_drained(llm.engine)
+
+
+def test_generate_takes_one_dict_of_sampling_params_for_every_prompt(make_llm):
+    prompts = [byte_prompt(16, salt=i) for i in range(2)]
+    from_dict = make_llm().generate(prompts, {"max_tokens": 5, "temperature": 0.0}, use_tqdm=False)
+    from_params = make_llm().generate(prompts, SamplingParams(max_tokens=5, temperature=0.0), use_tqdm=False)
+    assert [o.output_token_ids for o in from_dict] == [o.output_token_ids for o in from_params]
+    assert all(len(o.output_token_ids) == 5 for o in from_dict)

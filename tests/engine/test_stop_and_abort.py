@@ -153,6 +153,25 @@ def test_stop_token_ids(make_llm, greedy_runs):
     assert out.output_token_ids == sampled[:sampled.index(stop_tok) + 1]
 
 
+def test_editing_the_callers_lists_after_add_request_changes_nothing(make_llm, greedy_runs):
+    """The engine keeps its own copies of `stop_token_ids` and `stop`: a token id or string
+    the caller appends to its lists after adding the request does not stop it."""
+    prompt = PROMPTS[2]
+    tokens, text = greedy_runs[prompt]
+    params = greedy(MAX_TOKENS, stop_token_ids=[], stop=[])
+    llm = make_llm()
+    llm.engine.add_request("r", prompt, params)
+    llm.engine.step()
+    params.stop_token_ids.append(tokens[10])
+    params.stop.append(text[-5:])
+    outs = []
+    while llm.engine.has_unfinished_requests():
+        outs += llm.engine.step()
+    final = [o for o in outs if o.finished][0]
+    assert final.finish_reason == "length" and final.output_token_ids == tokens
+    assert_drained(llm.engine)
+
+
 def test_eos_stops_unless_ignored(make_llm, greedy_runs, tokenizer):
     found = [(p, next(i for i, t in enumerate(greedy_runs[p][0]) if t in EOS_IDS)) for p in PROMPTS
              if any(t in EOS_IDS for t in greedy_runs[p][0])]

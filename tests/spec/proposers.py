@@ -44,7 +44,8 @@ class PartialProposer(OracleProposer):
 
 
 class RaisingProposer:
-    """Raises for one request id, proposes nothing useful for the others."""
+    """Raises for one request id (proposing, and forgetting it when it leaves), proposes
+    nothing useful for the others."""
 
     def __init__(self, bad_id: str):
         self.bad_id = bad_id
@@ -53,6 +54,10 @@ class RaisingProposer:
         if request_id == self.bad_id:
             raise RuntimeError("proposer bug")
         return token_ids[-num_tokens:]
+
+    def forget(self, request_id: str) -> None:
+        if request_id == self.bad_id:
+            raise RuntimeError("forget bug")
 
 
 class OutOfVocabProposer:

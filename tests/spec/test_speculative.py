@@ -168,8 +168,9 @@ def test_aborts_with_drafts_in_flight():
 
 
 def test_broken_proposers_cost_only_drafts(caplog):
-    """A proposer that raises for one request, or returns ids outside the vocabulary,
-    costs those drafts only (logged once per request); outputs are unchanged."""
+    """A proposer that raises for one request (proposing and forgetting it), or returns ids
+    outside the vocabulary, costs those drafts only (logged once per request); outputs are
+    unchanged and every block and slot comes back (`_run` checks)."""
     workload = _workload(4)
     expected, _ = _run(workload)
     for proposer in (RaisingProposer("r1"), OutOfVocabProposer()):
@@ -180,6 +181,8 @@ def test_broken_proposers_cost_only_drafts(caplog):
         warnings = [r for r in caplog.records if "proposer failed" in r.getMessage()]
         assert 1 <= len(warnings) <= len(workload)
         assert len({w.getMessage().split("request ")[1].split(" ")[0] for w in warnings}) == len(warnings)
+        forgets = [r for r in caplog.records if "forget failed for request r1" in r.getMessage()]
+        assert len(forgets) == isinstance(proposer, RaisingProposer)
 
 
 def test_backs_off_when_every_draft_is_rejected(baseline):
