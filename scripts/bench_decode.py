@@ -1,11 +1,13 @@
 """Decode benchmark: output tok/s, inter-token latency, GPU idle fraction and the memory
 floors of a decode step, for our engine in three modes (async + graphs, serial + graphs,
-serial eager); `--count-kernels` also counts the CUDA kernels of one eager decode step.
+serial eager); `--count-kernels` also counts the CUDA kernels of one eager decode step, and
+`--graph-timeline` charges each kernel of the timed steps its share of the step.
 
     python scripts/bench_decode.py --model peer --batches 1 8 32 128 256 --prompt-len 256 --output-len 128
     python scripts/bench_decode.py --model preset:nemotron-h-8b --batches 1 8 --hf-batch 8 --json out.json
     python scripts/bench_decode.py --model preset:granite-4.0-h-tiny --batches 1 32 128 --modes async+graphs
     python scripts/bench_decode.py --model preset:granite-4.0-h-tiny --batches 1 32 --count-kernels --modes
+    python scripts/bench_decode.py --model preset:granite-4.0-h-tiny --batches 1 --modes async+graphs --graph-timeline
     python scripts/bench_decode.py --batches 32 128 --modes async+graphs --mamba-ssm-cache-dtype bfloat16
     python scripts/bench_decode.py --batches 1 32 --modes async+graphs --logprobs 1 --repetition-penalty 1.1
 
@@ -38,6 +40,11 @@ columns (GPU idle, host time per phase), the floors and the expert count stay gr
 same model) under torch.profiler; CUDA kernels per step, per layer and per layer part
 (mamba / attention / mlp / moe mixers, the norms and residual adds between them, the work
 outside the layers) with their GPU time. Without CUDA it prints why it skipped.
+`--graph-timeline`: after each timed batch, 20 decode steps of the same LLM (graphs and
+launch-ahead as the mode has them) under torch.profiler; each kernel and copy is charged its
+marginal time, from the latest end of everything before it to its own end, so the charges
+add up to the step and a kernel's wait for the one before it is not charged to it
+(graph_timeline.py). The table lists the kernels by that time per step.
 `--modes` with no value skips the timed runs. Prints tables; `--json` also writes the
 rows. Numbers and commands: docs/benchmarks.md.
 """
@@ -54,6 +61,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_floors import StepFloors, copy_bandwidth, measure_distinct_experts, step_floors  # noqa: E402
+from graph_timeline import print_timeline, profile_graph_steps  # noqa: E402
 from step_kernels import report_kernel_counts  # noqa: E402
 from step_probe import PROBE_TOKENS, StepProbe, percentile, probe_decode, random_prompts  # noqa: E402
 
@@ -197,6 +205,14 @@ def time_modes(args: argparse.Namespace, model: str, bandwidth: float) -> list[d
                   f"{probe['gpu_busy_ms_per_step']:.3f} ms/step  largest gaps {probe['largest_gaps_ms']} ms  prefill "
                   f"{r['all_first_token_s']:.3f} s  step/floor {row['vs_roofline']:.2f}x{moe}  host us/step: {host}",
                   flush=True)
+            if args.graph_timeline:
+                timeline = profile_graph_steps(llm, batch, args.prompt_len)
+                print_timeline(mode, timeline)
+                row.update(timeline_us_per_step=timeline.per_step(timeline.span_us),
+                           timeline_by_name={name: dict(launches=n.launches / timeline.steps,
+                                                        marginal_us=timeline.per_step(n.marginal_us),
+                                                        busy_us=timeline.per_step(n.busy_us))
+                                             for name, n in timeline.by_name.items()})
         del llm
         gc.collect()  # the engine holds reference cycles: free its memory before the next one
         torch.cuda.empty_cache()
@@ -251,6 +267,8 @@ def main() -> None:
                     help="also time HF transformers generate at this batch (0: skip)")
     ap.add_argument("--count-kernels", action="store_true",
                     help="also count the CUDA kernels of one eager decode step per batch, per layer and layer part")
+    ap.add_argument("--graph-timeline", action="store_true",
+                    help="also profile 20 decode steps of each timed batch and charge each kernel its marginal time")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args()
     model = peer_model_dir() if args.model == "peer" else args.model
