@@ -1,9 +1,11 @@
 """Engine settings (the `LLM(...)` keyword arguments) and their device-dependent defaults."""
-from dataclasses import dataclass
-from typing import Any
+import typing
+from dataclasses import dataclass, fields
+from typing import Any, Callable
 
 import torch
 
+from hybrid_engine.sampling_params import is_int
 from hybrid_engine.spec.config import SpeculativeConfig
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "auto": None}
@@ -51,8 +53,11 @@ class EngineConfig:
 
     def resolve(self) -> "EngineConfig":
         """Validate and fill device-dependent defaults (raises ValueError naming the field)."""
+        # Types first: the checks below compare values, which for a wrong type either passes
+        # silently (True as 1) or fails with a TypeError that names no field.
+        _check_field_types(self)
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if not isinstance(device, str) or device.split(":")[0] not in ("cuda", "cpu"):
+        if device.split(":")[0] not in ("cuda", "cpu"):
             raise ValueError(f"device must be 'cuda', 'cuda:N' or 'cpu', got {device!r}")
         if torch.device(device).type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA device is available")
@@ -77,34 +82,29 @@ class EngineConfig:
         )
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_block_size"):
             value = getattr(resolved, name)
-            if not isinstance(value, int) or value <= 0:
+            if value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if resolved.max_num_batched_tokens < resolved.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every decode row needs a token)")
-        if resolved.max_model_len is not None and (not isinstance(resolved.max_model_len, int)
-                                                   or resolved.max_model_len <= 0):
+        if resolved.max_model_len is not None and resolved.max_model_len <= 0:
             raise ValueError(f"max_model_len must be a positive integer, got {resolved.max_model_len!r}")
         if resolved.num_kv_blocks is not None and resolved.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {resolved.num_kv_blocks}")
         if not 0.0 < resolved.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {resolved.gpu_memory_utilization}")
-        if not isinstance(resolved.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be a bool, got {resolved.enable_prefix_caching!r}")
         checkpoints = resolved.prefix_cache_max_checkpoints
-        if checkpoints is not None and (not isinstance(checkpoints, int) or checkpoints < 0):
+        if checkpoints is not None and checkpoints < 0:
             raise ValueError(f"prefix_cache_max_checkpoints must be a non-negative integer, got {checkpoints!r}")
         if resolved.prefix_cache_checkpoint_interval is None:
             block = resolved.kv_block_size
             resolved.prefix_cache_checkpoint_interval = -(-DEFAULT_CHECKPOINT_INTERVAL // block) * block
         interval = resolved.prefix_cache_checkpoint_interval
-        if not isinstance(interval, int) or interval <= 0 or interval % resolved.kv_block_size:
+        if interval <= 0 or interval % resolved.kv_block_size:
             raise ValueError(f"prefix_cache_checkpoint_interval must be a positive multiple of kv_block_size "
                              f"({resolved.kv_block_size}), got {interval!r}")
         size = resolved.tensor_parallel_size
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        if size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
-        if not isinstance(resolved.enable_expert_parallel, bool):
-            raise ValueError(f"enable_expert_parallel must be a bool, got {resolved.enable_expert_parallel!r}")
         if not 0.0 <= resolved.inject_rejection_rate <= 1.0:
             raise ValueError(f"inject_rejection_rate must be in [0, 1], got {resolved.inject_rejection_rate}")
         return resolved
@@ -112,6 +112,44 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+
+# What a field of each scalar type accepts, and how an error names it. bool is a subclass of
+# int, so True would otherwise pass as an integer or a number; an int is a fine float (1 for
+# gpu_memory_utilization), as in vLLM.
+_TYPE_CHECKS: dict[type, tuple[Callable[[Any], bool], str]] = {
+    bool: (lambda value: isinstance(value, bool), "a bool"),
+    int: (is_int, "an integer"),
+    float: (lambda value: isinstance(value, (int, float)) and not isinstance(value, bool), "a number"),
+    str: (lambda value: isinstance(value, str), "a string"),
+}
+
+
+def _scalar_type(name: str, annotation: Any) -> tuple[type, bool]:
+    """(the scalar type, whether None is allowed) of a field annotated `T` or `T | None`."""
+    kinds = set(typing.get_args(annotation)) or {annotation}
+    optional = type(None) in kinds
+    kinds.discard(type(None))
+    if len(kinds) != 1 or next(iter(kinds)) not in _TYPE_CHECKS:
+        # A new field of another type needs a check of its own (as speculative_config has).
+        raise TypeError(f"EngineConfig.{name}: no type check for {annotation}")
+    return kinds.pop(), optional
+
+
+# Read from the annotations, so every field (a new one too) is checked; speculative_config
+# is validated by SpeculativeConfig.from_dict.
+_FIELD_TYPES: dict[str, tuple[type, bool]] = {
+    f.name: _scalar_type(f.name, f.type) for f in fields(EngineConfig) if f.name != "speculative_config"
+}
+
+
+def _check_field_types(config: EngineConfig) -> None:
+    """Raise ValueError naming the first field whose value is not of its annotated type."""
+    for name, (kind, optional) in _FIELD_TYPES.items():
+        value = getattr(config, name)
+        accepts, description = _TYPE_CHECKS[kind]
+        if not (accepts(value) or (optional and value is None)):
+            raise ValueError(f"{name} must be {description}{' or None' if optional else ''}, got {value!r}")
 
 
 def resolve_mamba_ssm_cache_dtype(requested: str, hf_config: dict) -> str:
