@@ -2,6 +2,8 @@
 from dataclasses import dataclass
 from typing import Any
 
+from hybrid_engine.sampling_params import is_int
+
 METHODS = ("ngram", "draft_model", "proposer")
 # Drafts per verify row: each costs a Mamba state copy per request and a verified position.
 MAX_SPECULATIVE_TOKENS = 16
@@ -44,7 +46,7 @@ class SpeculativeConfig:
         if method not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {list(METHODS)}, got {method!r}")
         k = value.get("num_speculative_tokens")
-        if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        if not is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in "
                              f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
@@ -56,10 +58,15 @@ class SpeculativeConfig:
         if method != "ngram" and (lo is not None or hi is not None):
             raise ValueError("speculative_config.prompt_lookup_min/max are only for method 'ngram'")
         if method == "ngram":
-            lo, hi = (DEFAULT_PROMPT_LOOKUP, DEFAULT_PROMPT_LOOKUP) if lo is None and hi is None else (lo or hi, hi or lo)
+            # The values as given are checked before one bound defaults to the other, so the
+            # error names the field that holds the bad value (and shows it, 0 included).
             for name, n in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-                if not _is_int(n) or n < 1:
+                if n is not None and (not is_int(n) or n < 1):
                     raise ValueError(f"speculative_config.{name} must be a positive integer, got {n!r}")
+            # One bound given: the other takes its value; neither: vLLM's default for both.
+            if lo is None and hi is None:
+                lo = hi = DEFAULT_PROMPT_LOOKUP
+            lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
             if lo > hi:
                 raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
         elif method == "draft_model":
@@ -70,7 +77,3 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.proposer must be an object with a propose(request_id, "
                              "token_ids, num_tokens) method")
         return SpeculativeConfig(method, k, lo, hi, proposer, model)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

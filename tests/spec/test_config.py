@@ -33,11 +33,27 @@ def test_bad_configs_name_the_field(config, field):
         LLM(device="cpu", speculative_config=config)
 
 
+@pytest.mark.parametrize("bounds,message", [
+    ({"prompt_lookup_min": 0}, "prompt_lookup_min must be a positive integer, got 0"),
+    ({"prompt_lookup_min": 0, "prompt_lookup_max": 3}, "prompt_lookup_min must be a positive integer, got 0"),
+    # The bad value is the max's: the min (not given) does not take the blame.
+    ({"prompt_lookup_max": 0}, "prompt_lookup_max must be a positive integer, got 0"),
+    ({"prompt_lookup_min": False}, "prompt_lookup_min must be a positive integer, got False"),
+    ({"prompt_lookup_min": 2, "prompt_lookup_max": 1.5}, "prompt_lookup_max must be a positive integer, got 1.5"),
+])
+def test_bad_prompt_lookup_bound_is_shown_as_given(bounds, message):
+    """The error shows the value given, 0 and False included (not a defaulted None)."""
+    with pytest.raises(ValueError, match=f"^speculative_config.{message}$"):
+        LLM(device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 2, **bounds})
+
+
 def test_ngram_defaults_follow_vllm():
     spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})
     assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (5, 5)
     spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
     assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (4, 4)
+    spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2})
+    assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (2, 2)
     spec = SpeculativeConfig.from_dict({"method": "proposer", "num_speculative_tokens": 1, "proposer": _HasPropose()})
     assert spec.method == "proposer"
 
