@@ -128,6 +128,20 @@ def test_prefix_cache_flags_reach_the_engine_config():
     assert engine_config(parse_args(["--enable-prefix-caching"])).enable_prefix_caching is True
 
 
+def test_every_engine_flag_gives_a_config_of_the_right_types():
+    """argparse types each engine flag as its EngineConfig field: the config resolves."""
+    args = parse_args(["--model", "preset:granite-4.0-h-micro", "--device", "cpu", "--dtype", "float32",
+                       "--mamba-ssm-cache-dtype", "bfloat16", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+                       "--max-model-len", "128", "--num-kv-blocks", "32", "--kv-block-size", "16",
+                       "--gpu-memory-utilization", "1", "--seed", "7", "--load-format", "dummy",
+                       "--no-async-scheduling", "--no-cuda-graphs", "--no-enable-prefix-caching",
+                       "--prefix-cache-max-checkpoints", "2", "--prefix-cache-checkpoint-interval", "32",
+                       "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+    config = engine_config(args).resolve()
+    assert (config.gpu_memory_utilization, config.seed, config.async_scheduling) == (1.0, 7, False)
+    assert engine_config(parse_args(["--device", "cpu"])).resolve().enable_prefix_caching is True
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--prefix-cache-max-checkpoints", "-1"], "--prefix-cache-max-checkpoints must be >= 0, got -1"),
     (["--prefix-cache-checkpoint-interval", "0"], "--prefix-cache-checkpoint-interval must be >= 1, got 0"),
