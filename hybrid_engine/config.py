@@ -8,6 +8,8 @@ import torch
 from hybrid_engine.sampling_params import is_int
 from hybrid_engine.spec.config import SpeculativeConfig
 
+# The engine seed seeds torch generators (dummy weights), which take these.
+MIN_SEED, MAX_SEED = -2**63, 2**64 - 1
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "auto": None}
 # The SSM state pool's dtype ("auto": the checkpoint config's `mamba_ssm_cache_dtype`, else
 # float32 -- vLLM's NemotronH rule; float32 is the one known to cost no accuracy).
@@ -57,10 +59,15 @@ class EngineConfig:
         # silently (True as 1) or fails with a TypeError that names no field.
         _check_field_types(self)
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if device.split(":")[0] not in ("cuda", "cpu"):
+        kind, colon, index = device.partition(":")
+        if kind not in ("cuda", "cpu") or (colon and (kind == "cpu" or not index.isdigit())):
             raise ValueError(f"device must be 'cuda', 'cuda:N' or 'cpu', got {device!r}")
-        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        if kind == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA device is available")
+        if index and int(index) >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        if not MIN_SEED <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be in [{MIN_SEED}, {MAX_SEED}] (a torch generator seed), got {self.seed!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.mamba_ssm_cache_dtype not in MAMBA_SSM_CACHE_DTYPES:

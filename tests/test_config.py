@@ -1,10 +1,12 @@
 """`EngineConfig` option types: a value of the wrong type is a ValueError naming the field
 and showing the value (before any default, comparison or model load could trip on it);
-the values of the right type that worked before still do."""
+the values of the right type that worked before still do. Malformed devices and seeds out
+of a generator's range are ValueErrors too."""
 import re
 from dataclasses import fields
 
 import pytest
+import torch
 
 from hybrid_engine import LLM, EngineConfig
 
@@ -87,3 +89,24 @@ def test_right_types_still_resolve():
     assert (config.max_num_seqs, config.gpu_memory_utilization, config.seed, config.async_scheduling) == (4, 1, -3,
                                                                                                          False)
     assert EngineConfig(device="cpu", gpu_memory_utilization=0.5, inject_rejection_rate=0.25).resolve().model is None
+
+
+@pytest.mark.parametrize("device", ["cuda:x", "cuda:", "cpu:0", "gpu", "cuda:-1"])
+def test_malformed_device_is_a_value_error(device):
+    with pytest.raises(ValueError, match=re.escape(f"device must be 'cuda', 'cuda:N' or 'cpu', got {device!r}")):
+        EngineConfig(device=device).resolve()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_missing_cuda_index_is_a_value_error():
+    device = f"cuda:{torch.cuda.device_count()}"
+    with pytest.raises(ValueError, match=re.escape(f"device {device!r}: this machine has")):
+        EngineConfig(device=device).resolve()
+
+
+@pytest.mark.parametrize("seed", [2**64, -2**63 - 1])
+def test_seed_out_of_a_generator_range_is_a_value_error(seed):
+    with pytest.raises(ValueError, match=re.escape(f"seed must be in [{-2**63}, {2**64 - 1}]")):
+        EngineConfig(device="cpu", seed=seed).resolve()
+    for edge in (-2**63, 2**64 - 1):
+        assert EngineConfig(device="cpu", seed=edge).resolve().seed == edge
