@@ -28,7 +28,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     max_num_seqs: int | None = None  # default: 256 on CUDA, 16 on CPU
     max_num_batched_tokens: int | None = None  # default: max(8192 on CUDA / 2048 on CPU, max_num_seqs)
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_model_len: int | None = None  # default (and most): the model's max_position_embeddings
     kv_block_size: int | None = None  # default: 64 on CUDA, 16 on CPU
     num_kv_blocks: int | None = None  # default: sized from gpu_memory_utilization (CPU: enough for all seqs)
     gpu_memory_utilization: float = 0.9

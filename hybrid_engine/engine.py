@@ -205,7 +205,11 @@ class LLMEngine:
         self.config = cfg = dataclasses.replace(
             cfg, mamba_ssm_cache_dtype=resolve_mamba_ssm_cache_dtype(cfg.mamba_ssm_cache_dtype, loaded.hf_config))
         mc = self.model_config = self.model.config
-        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        if cfg.max_model_len is not None and cfg.max_model_len > mc.max_position_embeddings:
+            # As vLLM: a longer context than the model was built for is refused, not cut silently.
+            raise ValueError(f"max_model_len ({cfg.max_model_len}) is greater than the model's "
+                             f"max_position_embeddings ({mc.max_position_embeddings})")
+        self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
             else set()
@@ -425,7 +429,7 @@ class LLMEngine:
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         seed = derived_seed if params.seed is None else params.seed
         text = prompt if isinstance(prompt, str) else None
-        return Request(request_id, text, ids, params, seed, eos, detok)
+        return Request(request_id, text, ids, params, seed, eos, frozenset(params.stop_token_ids or ()), detok)
 
     def enqueue(self, request: Request) -> None:
         """Queue a request built by the caller, as it is: no validation, no detokenizer

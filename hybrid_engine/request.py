@@ -104,7 +104,8 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int  # sampling noise key: the user's seed or one derived from the engine seed
-    eos_token_ids: frozenset[int]
+    eos_token_ids: frozenset[int]  # empty with ignore_eos
+    stop_token_ids: frozenset[int]  # the params' stop_token_ids, as a set: checked per token
     detokenizer: IncrementalDetokenizer | None
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None

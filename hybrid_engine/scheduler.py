@@ -461,17 +461,21 @@ class Scheduler:
         request.logprobs.append(entry)
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
-        """Append the token's text and decide whether the request is done."""
+        """Append the token's text and decide whether the request is done. A stop token (EOS
+        or one of stop_token_ids) ends it without its text, unless include_stop_str_in_output
+        (vLLM's rule: the text then takes part in stop-string matching too); its id stays
+        in the output's tokens."""
         params = request.params
-        if request.detokenizer is not None:
+        stop_token = token in request.stop_token_ids or token in request.eos_token_ids
+        if request.detokenizer is not None and (not stop_token or params.include_stop_str_in_output):
             request.pending_text += request.detokenizer.add_tokens([token])
             if request.detokenizer.stop_reason is not None:
                 request.stop_reason = request.detokenizer.stop_reason
                 return "stop"
-        if params.stop_token_ids and token in params.stop_token_ids:
+        if token in request.stop_token_ids:
             request.stop_reason = token
             return "stop"
-        if token in request.eos_token_ids:
+        if stop_token:  # EOS
             return "stop"
         n_out = len(request.output_token_ids)
         if n_out >= params.max_tokens or len(request.prompt_token_ids) + n_out >= self.max_model_len:

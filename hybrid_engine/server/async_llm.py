@@ -26,7 +26,7 @@ from hybrid_engine.sampling_params import ParameterError, SamplingParams
 from hybrid_engine.server.engine_core import (Abort, Accepted, AddCall, EngineInfo, Failure, OutputDelta, QueueFull,
                                               Report, StartFailed, Started, StepReport, Stop, Stopped, fold_runs)
 from hybrid_engine.server.engine_host import EngineHost, EngineProcess, EngineProcessDied, EngineThread
-from hybrid_engine.server.metrics import ServerMetrics
+from hybrid_engine.server.metrics import REQUEST_GAUGES, ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -293,9 +293,11 @@ class AsyncLLM:
         _deliver(deliveries)
 
     def _on_stopped(self, report: Stopped) -> None:
-        """The core is gone: fail the calls it never answered and the requests it never ended."""
+        """The core is gone: fail the calls it never answered and the requests it never ended,
+        and report no requests from then on (the last snapshot counted those just failed)."""
         with self._lock:
             self._gone = True
+            self.stats = {**self.stats, **dict.fromkeys(REQUEST_GAUGES, 0)}
             pending, self._pending = self._pending, {}
             for call in pending.values():  # their submits raise instead
                 for rid in call.request_ids:

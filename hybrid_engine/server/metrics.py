@@ -46,6 +46,9 @@ _STAT_GAUGES = {
     "cached_kv_blocks": ("kv_blocks_cached", "KV blocks only the prefix cache holds (counted as free)."),
 }
 
+# The gauges that count requests (not pool sizes).
+REQUEST_GAUGES = ("running", "waiting", "paused", "in_flight")
+
 StatsSource = Callable[[], dict[str, int]]
 
 

@@ -13,7 +13,8 @@ class _Indexed:
 
 class NgramProposer:
     """Finds the latest earlier occurrence of the context's last n tokens (n from
-    `max_n` down to `min_n`, longest first) and proposes the tokens that followed it.
+    `max_n` down to `min_n`, longest first) and proposes the tokens that followed it, the
+    repeat continued past the context's end when it is shorter than the drafts wanted.
 
     Each request's committed tokens are copied and indexed (n-gram -> where it last ended)
     as they grow -- the prompt at once, its tuples built in C by `zip` -- so a proposal
@@ -53,8 +54,16 @@ class NgramProposer:
         for n in range(longest, self.min_n - 1, -1):
             end = state.index.get(tuple(tail[-n:]))
             if end is not None:
-                drafts = tokens[end:end + num_tokens]
-                return drafts + extra[:num_tokens - len(drafts)]
+                # From `end` on the context repeats itself with period `period`: what followed
+                # the match, then, past the context's end, the same period again (a short
+                # repeat -- one token over and over -- would otherwise leave only `period`
+                # tokens to propose, and launch-ahead drops the first as its guess of the
+                # token in flight).
+                drafts = (tokens[end:end + num_tokens] + extra)[:num_tokens]
+                period = len(tokens) + len(extra) - end
+                while len(drafts) < num_tokens:
+                    drafts.append(drafts[-period])
+                return drafts
         return []
 
     def _add(self, index: dict[tuple[int, ...], int], tokens: list[int], start: int, stop: int) -> None:

@@ -145,3 +145,13 @@ def test_pools_too_large_for_host_memory_are_an_error_naming_the_flags(monkeypat
         LLM(max_num_seqs=64)
     monkeypatch.setattr(engine_module, "available_host_memory", lambda: 1 << 40)
     assert LLM(max_num_seqs=64).engine.mamba.max_num_seqs == 64
+
+
+def test_max_model_len_past_the_models_positions_is_a_value_error():
+    """As in vLLM, a context longer than the model's max_position_embeddings is refused (it
+    was cut to the model's silently); up to it, the engine takes the value as given."""
+    limit = LLM(device="cpu", max_model_len=64).engine.model_config.max_position_embeddings
+    with pytest.raises(ValueError, match=rf"max_model_len \({limit + 1}\) is greater than the model's "
+                                         rf"max_position_embeddings \({limit}\)"):
+        LLM(device="cpu", max_model_len=limit + 1)
+    assert LLM(device="cpu", max_model_len=limit).engine.max_model_len == limit

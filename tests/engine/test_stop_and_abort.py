@@ -190,6 +190,34 @@ def test_eos_stops_unless_ignored(make_llm, greedy_runs, tokenizer):
     assert_drained(llm.engine)
 
 
+
+@pytest.mark.parametrize("include", [False, True], ids=["text_left_out", "include_stop_str_in_output"])
+def test_stop_token_text_only_with_include_stop_str_in_output(make_llm, greedy_runs, tokenizer, include):
+    """vLLM's rule: a stop token that ends the output (one of stop_token_ids; EOS, here shown
+    with skip_special_tokens off) leaves its text out unless include_stop_str_in_output; its
+    id stays among the output's tokens."""
+    prompt = PROMPTS[2]
+    tokens, _ = greedy_runs[prompt]
+    at = next(i for i in range(3, len(tokens)) if tokens[i] not in tokens[:i] and _ascii(tokenizer.decode([tokens[i]])))
+    eos_prompt, eos_at = next((p, next(i for i, t in enumerate(greedy_runs[p][0]) if t in EOS_IDS)) for p in PROMPTS
+                              if any(t in EOS_IDS for t in greedy_runs[p][0]))
+    eos_tokens = greedy_runs[eos_prompt][0]
+    llm = make_llm()
+    run = drive(llm.engine, [
+        (0, "ids", prompt, greedy(MAX_TOKENS, stop_token_ids=[tokens[at]], include_stop_str_in_output=include)),
+        (0, "eos", eos_prompt, greedy(MAX_TOKENS, ignore_eos=False, skip_special_tokens=False,
+                                      include_stop_str_in_output=include)),
+    ])
+    kept = 1 if include else 0
+    by_id = run.finals["ids"]
+    assert by_id.stop_reason == tokens[at] and by_id.output_token_ids == tokens[:at + 1]
+    assert by_id.text == tokenizer.decode(tokens[:at + kept], skip_special_tokens=True)
+    eos = run.finals["eos"]
+    assert eos.finish_reason == "stop" and eos.output_token_ids == eos_tokens[:eos_at + 1]
+    assert eos.text == tokenizer.decode(eos_tokens[:eos_at + kept], skip_special_tokens=False)
+    assert eos.text.endswith(tokenizer.decode([eos_tokens[eos_at]], skip_special_tokens=False)) == include
+    assert_drained(llm.engine)
+
 # ---- aborts ----------------------------------------------------------------------------
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "async"])
 def test_abort_waiting_prefilling_decoding(make_llm, solo, async_scheduling):

@@ -185,7 +185,8 @@ def test_no_engine_process_outlives_its_python_process(how: str):
 
 def test_killed_engine_process_fails_in_flight_then_503():
     """SIGKILL of the engine process: the stream in flight ends with an error event naming
-    the exit, and the server answers 503 from then on (instead of queueing for nobody)."""
+    the exit, the server answers 503 from then on (instead of queueing for nobody), and
+    /metrics counts no requests running or in flight any more."""
     with serve_engine_process(process_engine(CONFIG, step_delay=0.05)) as server:
         body = {"prompt": "long", "max_tokens": 100, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
@@ -199,6 +200,9 @@ def test_killed_engine_process_fails_in_flight_then_503():
         wait_until(lambda: httpx.get(f"{server.url}/health").status_code == 503, what="/health to say 503")
         r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+        metrics = server.metrics()
+        for gauge in ("num_requests_running", "num_requests_in_flight", "num_requests_waiting"):
+            assert metrics[f"hybrid_engine_{gauge}"] == 0, gauge
 
 
 def _engine_process(server_pid: int) -> int:

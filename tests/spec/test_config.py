@@ -64,20 +64,24 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
     assert ngram.propose("a", [7, 8, 9, 1, 2, 7, 8, 9, 4, 5, 6, 7, 8, 9], 2) == [4, 5]
     # A longer match beats a later shorter one: suffix "2 3" matched at 0, not "3" at 4.
     assert ngram.propose("b", [2, 3, 5, 6, 3, 7, 2, 3], 3) == [5, 6, 3]
-    # The continuation is cut at the end of the context; no match gives no drafts.
-    assert ngram.propose("c", [1, 2, 1], 5) == [2, 1]
+    # Past the context's end the repeat goes on with its period (2 here, 1 below); no match
+    # gives no drafts.
+    assert ngram.propose("c", [1, 2, 1], 5) == [2, 1, 2, 1, 2]
+    assert ngram.propose("f", [4, 5, 5, 5], 4) == [5, 5, 5, 5]
+    assert ngram.propose("g", [4, 5, 5, 5], 4, num_committed=3) == [5, 5, 5, 5]  # the last 5 in flight
     assert ngram.propose("d", [1, 2, 3], 2) == []
     assert NgramProposer(2, 2).propose("e", [5, 5], 2) == []
 
 
 def _scan(token_ids: list[int], num_tokens: int, committed: int, lo: int = 1, hi: int = 4) -> list[int]:
     """The n-gram search by brute force: the latest occurrence of the longest suffix among
-    the n-grams that end inside the committed tokens."""
+    the n-grams that end inside the committed tokens, its continuation repeated with its
+    period past the context's end."""
     length = len(token_ids)
     for n in range(min(hi, length - 1), lo - 1, -1):
         for end in range(committed - 1, n - 1, -1):
             if token_ids[end - n:end] == token_ids[length - n:]:
-                return token_ids[end:end + num_tokens]
+                return [token_ids[end + i % (length - end)] for i in range(num_tokens)]
     return []
 
 
