@@ -1,11 +1,12 @@
 """Engine settings (the `LLM(...)` keyword arguments) and their device-dependent defaults."""
+import dataclasses
+import numbers
 import typing
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 import torch
 
-from hybrid_engine.sampling_params import is_int
 from hybrid_engine.spec.config import SpeculativeConfig
 
 # The engine seed seeds torch generators (dummy weights), which take these.
@@ -57,10 +58,12 @@ class EngineConfig:
         """Validate and fill device-dependent defaults (raises ValueError naming the field)."""
         # Types first: the checks below compare values, which for a wrong type either passes
         # silently (True as 1) or fails with a TypeError that names no field.
-        _check_field_types(self)
+        converted = _check_field_types(self)
+        if converted:
+            return dataclasses.replace(self, **converted).resolve()
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         kind, colon, index = device.partition(":")
-        if kind not in ("cuda", "cpu") or (colon and (kind == "cpu" or not index.isdigit())):
+        if kind not in ("cuda", "cpu") or (colon and (kind == "cpu" or not (index.isascii() and index.isdigit()))):
             raise ValueError(f"device must be 'cuda', 'cuda:N' or 'cpu', got {device!r}")
         if kind == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA device is available")
@@ -123,11 +126,12 @@ class EngineConfig:
 
 # What a field of each scalar type accepts, and how an error names it. bool is a subclass of
 # int, so True would otherwise pass as an integer or a number; an int is a fine float (1 for
-# gpu_memory_utilization), as in vLLM.
+# gpu_memory_utilization), as in vLLM. NumPy's integers and floats count (and become
+# Python's: `resolve`).
 _TYPE_CHECKS: dict[type, tuple[Callable[[Any], bool], str]] = {
     bool: (lambda value: isinstance(value, bool), "a bool"),
-    int: (is_int, "an integer"),
-    float: (lambda value: isinstance(value, (int, float)) and not isinstance(value, bool), "a number"),
+    int: (lambda value: isinstance(value, numbers.Integral) and not isinstance(value, bool), "an integer"),
+    float: (lambda value: isinstance(value, numbers.Real) and not isinstance(value, bool), "a number"),
     str: (lambda value: isinstance(value, str), "a string"),
 }
 
@@ -150,13 +154,19 @@ _FIELD_TYPES: dict[str, tuple[type, bool]] = {
 }
 
 
-def _check_field_types(config: EngineConfig) -> None:
-    """Raise ValueError naming the first field whose value is not of its annotated type."""
+def _check_field_types(config: EngineConfig) -> dict[str, Any]:
+    """Raise ValueError naming the first field whose value is not of its annotated type;
+    return the fields whose values are of it in another class (a NumPy int, an int for a
+    float), converted."""
+    converted = {}
     for name, (kind, optional) in _FIELD_TYPES.items():
         value = getattr(config, name)
         accepts, description = _TYPE_CHECKS[kind]
         if not (accepts(value) or (optional and value is None)):
             raise ValueError(f"{name} must be {description}{' or None' if optional else ''}, got {value!r}")
+        if value is not None and type(value) is not kind:
+            converted[name] = kind(value)
+    return converted
 
 
 def resolve_mamba_ssm_cache_dtype(requested: str, hf_config: dict) -> str:

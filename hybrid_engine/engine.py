@@ -104,6 +104,18 @@ def load_engine_model(cfg: EngineConfig, kernels: Any, tp: ParallelContext = SIN
     return LoadedModel(model, hf_config, tokenizer, name)
 
 
+def check_max_model_len(cfg: EngineConfig) -> None:
+    """Raise ValueError if `cfg.max_model_len` is past the model's max_position_embeddings
+    (as vLLM refuses it, instead of cutting it silently). Reads only config files: run
+    before anything is loaded."""
+    if cfg.max_model_len is None:
+        return
+    limit = parse_hf_config(_hf_config(cfg)).max_position_embeddings
+    if cfg.max_model_len > limit:
+        raise ValueError(f"max_model_len ({cfg.max_model_len}) is greater than the model's max_position_embeddings "
+                         f"({limit})")
+
+
 def check_tensor_parallel(cfg: EngineConfig) -> None:
     """Raise ValueError (naming the config field and the sizes that work) if the model --
     or the draft model -- cannot be split `cfg.tensor_parallel_size` ways. Reads only
@@ -159,6 +171,8 @@ class LLMEngine:
         """
         self._user_max_num_seqs = config.max_num_seqs is not None
         cfg = config.resolve()
+        if loaded is None:
+            check_max_model_len(cfg)
         self.group, self._finalizer, self.dead = group, None, None
         if group is None and cfg.tensor_parallel_size > 1:
             check_tensor_parallel(cfg)
@@ -205,11 +219,9 @@ class LLMEngine:
         self.config = cfg = dataclasses.replace(
             cfg, mamba_ssm_cache_dtype=resolve_mamba_ssm_cache_dtype(cfg.mamba_ssm_cache_dtype, loaded.hf_config))
         mc = self.model_config = self.model.config
-        if cfg.max_model_len is not None and cfg.max_model_len > mc.max_position_embeddings:
-            # As vLLM: a longer context than the model was built for is refused, not cut silently.
-            raise ValueError(f"max_model_len ({cfg.max_model_len}) is greater than the model's "
-                             f"max_position_embeddings ({mc.max_position_embeddings})")
-        self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
+        # (Only a draft engine can be asked for more than its model's positions, its
+        # target's context: it proposes up to its own, as vLLM's draft models do.)
+        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
             else set()
@@ -429,7 +441,7 @@ class LLMEngine:
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         seed = derived_seed if params.seed is None else params.seed
         text = prompt if isinstance(prompt, str) else None
-        return Request(request_id, text, ids, params, seed, eos, frozenset(params.stop_token_ids or ()), detok)
+        return Request(request_id, text, ids, params, seed, eos, detok)
 
     def enqueue(self, request: Request) -> None:
         """Queue a request built by the caller, as it is: no validation, no detokenizer

@@ -105,7 +105,6 @@ class Request:
     params: SamplingParams
     seed: int  # sampling noise key: the user's seed or one derived from the engine seed
     eos_token_ids: frozenset[int]  # empty with ignore_eos
-    stop_token_ids: frozenset[int]  # the params' stop_token_ids, as a set: checked per token
     detokenizer: IncrementalDetokenizer | None
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
@@ -137,10 +136,14 @@ class Request:
     # Streaming deltas accumulated since the last output was emitted.
     pending_token_ids: list[int] = field(default_factory=list)
     pending_text: str = ""
+    # The params' stop_token_ids as a set (checked for every token; a list of a million ids
+    # slowed every step), derived here so that it cannot disagree with them.
+    stop_token_ids: frozenset[int] = field(init=False)
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
             self.logprobs = []
+        self.stop_token_ids = frozenset(self.params.stop_token_ids or ())
 
     @property
     def num_tokens(self) -> int:

@@ -40,11 +40,12 @@ columns (GPU idle, host time per phase), the floors and the expert count stay gr
 same model) under torch.profiler; CUDA kernels per step, per layer and per layer part
 (mamba / attention / mlp / moe mixers, the norms and residual adds between them, the work
 outside the layers) with their GPU time. Without CUDA it prints why it skipped.
-`--graph-timeline`: after each timed batch, 20 decode steps of the same LLM (graphs and
-launch-ahead as the mode has them) under torch.profiler; each kernel and copy is charged its
-marginal time, from the latest end of everything before it to its own end, so the charges
-add up to the step and a kernel's wait for the one before it is not charged to it
-(graph_timeline.py). The table lists the kernels by that time per step.
+`--graph-timeline`: after a mode's timed runs, 20 decode steps of each batch on the same LLM
+(graphs and launch-ahead as the mode has them) under torch.profiler; each kernel and copy is
+charged its marginal time, how far its end lies past the latest end of everything before
+it, and idle gaps get a row of their own, so the charges add up to the profiled span and a
+kernel's wait for the one before it is not charged to it (graph_timeline.py). The table
+lists the kernels by that time per step.
 `--modes` with no value skips the timed runs. Prints tables; `--json` also writes the
 rows. Numbers and commands: docs/benchmarks.md.
 """
@@ -205,8 +206,9 @@ def time_modes(args: argparse.Namespace, model: str, bandwidth: float) -> list[d
                   f"{probe['gpu_busy_ms_per_step']:.3f} ms/step  largest gaps {probe['largest_gaps_ms']} ms  prefill "
                   f"{r['all_first_token_s']:.3f} s  step/floor {row['vs_roofline']:.2f}x{moe}  host us/step: {host}",
                   flush=True)
-            if args.graph_timeline:
-                timeline = profile_graph_steps(llm, batch, args.prompt_len)
+        if args.graph_timeline:  # after the mode's timed runs, which the profiler so stays out of
+            for row in rows[len(rows) - len(args.batches):]:
+                timeline = profile_graph_steps(llm, row["batch"], args.prompt_len)
                 print_timeline(mode, timeline)
                 row.update(timeline_us_per_step=timeline.per_step(timeline.span_us),
                            timeline_by_name={name: dict(launches=n.launches / timeline.steps,

@@ -4,12 +4,13 @@ runs (the timed LLM: CUDA graphs, launch-ahead where the mode has it), kernel by
 torch.profiler records every kernel of a few decode steps on the device, graph nodes
 included. Their durations do not add up to the step: under programmatic dependent launch a
 kernel starts while the one before it still runs and waits inside for it, so durations
-overlap. Each kernel (and copy) is charged its *marginal* time instead: from the latest end
-of everything that started before it to its own end, nothing if it ends earlier. The
-charges add up to the steps' span, a kernel's wait for its predecessor is not charged to
-it, and an idle gap is charged to the first kernel after it. So "us / step" is what the
-step would lose if that kernel took no time at all and the rest stayed as they are; the
-eager `--count-kernels` step's GPU times (each kernel launched alone, with its ramp) are not.
+overlap. Each kernel (and copy) is charged its *marginal* time instead: how far its end
+lies past the latest end of everything that started before it (nothing if it ends
+earlier), less any time the device sat idle before it started, which is charged to IDLE
+(waiting for the host, say). The charges add up to the profiled span, from the first
+kernel's start to the last one's end, and a kernel's wait for its predecessor is not
+charged to it. The eager `--count-kernels` step's GPU times (each kernel launched alone,
+with its ramp) are another measure.
 """
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from step_probe import checked_step, finish, start_decoding
 
 PROFILED_STEPS = 20
 TIMELINE_ROWS = 15  # kernels per batch in the table, most time first
+IDLE = "(device idle: nothing running)"  # the gaps' row; its launches count the gaps
 
 
 @dataclass(frozen=True)
@@ -58,14 +60,20 @@ class Timeline:
 
 
 def charge(runs: list[DeviceRun]) -> dict[str, NameTotals]:
-    """Each run's marginal time (module docstring), summed by name, in start order."""
+    """Each run's marginal time (module docstring), summed by name, and the idle gaps under
+    IDLE, in start order."""
     totals: dict[str, NameTotals] = {}
+
+    def add(name: str, marginal: float, busy: float) -> None:
+        t = totals.get(name, NameTotals(0, 0.0, 0.0))
+        totals[name] = NameTotals(t.launches + 1, t.marginal_us + marginal, t.busy_us + busy)
+
     latest_end = min((r.start for r in runs), default=0.0)
     for r in sorted(runs, key=lambda r: r.start):
-        marginal = max(0.0, r.end - latest_end)
+        if r.start > latest_end:
+            add(IDLE, r.start - latest_end, 0.0)
+        add(r.name, max(0.0, r.end - max(latest_end, r.start)), r.end - r.start)
         latest_end = max(latest_end, r.end)
-        t = totals.get(r.name, NameTotals(0, 0.0, 0.0))
-        totals[r.name] = NameTotals(t.launches + 1, t.marginal_us + marginal, t.busy_us + r.end - r.start)
     return totals
 
 
@@ -94,7 +102,7 @@ def profile_graph_steps(llm: LLM, batch: int, prompt_len: int, steps: int = PROF
 
 def print_timeline(mode: str, t: Timeline) -> None:
     """The TIMELINE_ROWS kernels with the most marginal time, then the rest in one row."""
-    launches = sum(n.launches for n in t.by_name.values())
+    launches = sum(n.launches for name, n in t.by_name.items() if name != IDLE)
     print(f"\n{mode}, batch {t.batch}: {t.per_step(t.span_us):.1f} us / step over {t.steps} profiled steps, "
           f"{t.per_step(launches):.0f} kernels and copies / step")
     print("| kernel | launches / step | us / step (marginal) | us / launch | busy us / step (durations) |")

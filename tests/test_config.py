@@ -110,3 +110,14 @@ def test_seed_out_of_a_generator_range_is_a_value_error(seed):
         EngineConfig(device="cpu", seed=seed).resolve()
     for edge in (-2**63, 2**64 - 1):
         assert EngineConfig(device="cpu", seed=edge).resolve().seed == edge
+
+
+def test_numpy_numbers_are_numbers():
+    """NumPy's ints and floats pass (and come out as Python's); NumPy's bools are not ints."""
+    np = pytest.importorskip("numpy")
+    config = EngineConfig(device="cpu", seed=np.int64(5), num_kv_blocks=np.int32(64),
+                          gpu_memory_utilization=np.float32(0.5), inject_rejection_rate=0).resolve()
+    assert (config.seed, config.num_kv_blocks, config.inject_rejection_rate) == (5, 64, 0.0)
+    assert type(config.seed) is int and type(config.gpu_memory_utilization) is float
+    with pytest.raises(ValueError, match="^max_num_seqs must be an integer"):
+        EngineConfig(device="cpu", max_num_seqs=np.bool_(True)).resolve()

@@ -42,7 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests in the running batch (Mamba slots)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step (default: max(8192 on CUDA / 2048 on CPU, --max-num-seqs))")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's max_position_embeddings; more is an error)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the model's max_position_embeddings; more is an error)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: sized from memory)")
     p.add_argument("--kv-block-size", type=int, default=None, help="tokens per KV block")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)

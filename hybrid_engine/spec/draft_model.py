@@ -88,7 +88,7 @@ class DraftModel:
             params = dataclasses.replace(target.params, max_tokens=len(output) + room, seed=target.seed, stop=None,
                                          logprobs=None)
             proposal = Request(f"draft-{next(self._ids)}", None, target.prompt_token_ids, params, target.seed,
-                               target.eos_token_ids, target.stop_token_ids, None, output_token_ids=output,
+                               target.eos_token_ids, None, output_token_ids=output,
                                checkpoint_at=len(target.prompt_token_ids) + len(target.output_token_ids))
             engine.enqueue(proposal)
             proposals[proposal.request_id] = i

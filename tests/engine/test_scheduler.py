@@ -24,8 +24,7 @@ def make_scheduler(num_blocks=16, max_num_seqs=2, copies=2, budget=64) -> Schedu
 def make_request(rid="r", prompt=(1, 2, 3, 4, 5), tokenizer=None, **params) -> Request:
     params = SamplingParams(**{"max_tokens": 4, "temperature": 0.0, "ignore_eos": True, **params})
     detok = None if tokenizer is None else IncrementalDetokenizer(tokenizer, list(prompt), stop=params.stop)
-    return Request(rid, None, list(prompt), params, seed=1, eos_token_ids=frozenset(),
-                   stop_token_ids=frozenset(params.stop_token_ids or ()), detokenizer=detok)
+    return Request(rid, None, list(prompt), params, seed=1, eos_token_ids=frozenset(), detokenizer=detok)
 
 
 def test_admit_launch_retire_commit():

@@ -190,7 +190,6 @@ def test_eos_stops_unless_ignored(make_llm, greedy_runs, tokenizer):
     assert_drained(llm.engine)
 
 
-
 @pytest.mark.parametrize("include", [False, True], ids=["text_left_out", "include_stop_str_in_output"])
 def test_stop_token_text_only_with_include_stop_str_in_output(make_llm, greedy_runs, tokenizer, include):
     """vLLM's rule: a stop token that ends the output (one of stop_token_ids; EOS, here shown
@@ -217,6 +216,7 @@ def test_stop_token_text_only_with_include_stop_str_in_output(make_llm, greedy_r
     assert eos.text == tokenizer.decode(eos_tokens[:eos_at + kept], skip_special_tokens=False)
     assert eos.text.endswith(tokenizer.decode([eos_tokens[eos_at]], skip_special_tokens=False)) == include
     assert_drained(llm.engine)
+
 
 # ---- aborts ----------------------------------------------------------------------------
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "async"])

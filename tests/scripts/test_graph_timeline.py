@@ -11,20 +11,21 @@ from hybrid_engine import LLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from graph_timeline import (  # noqa: E402
-    TIMELINE_ROWS, DeviceRun, NameTotals, Timeline, charge, device_runs, print_timeline, profile_graph_steps)
+    IDLE, TIMELINE_ROWS, DeviceRun, NameTotals, Timeline, charge, device_runs, print_timeline, profile_graph_steps)
 from step_kernels import KERNEL_NAME_CHARS  # noqa: E402
 
 
 def test_charge_gives_each_kernel_its_marginal_time():
     """Overlapping runs (a dependent launch that starts early and waits) are charged from the
-    latest earlier end; a run inside another gets nothing; an idle gap goes to the run after
-    it; the charges add up to the span."""
+    latest earlier end; a run inside another gets nothing; an idle gap is IDLE's; the
+    charges add up to the span."""
     runs = [DeviceRun("norm", 0, 10), DeviceRun("gemm", 2, 15), DeviceRun("tiny", 14, 14.5),
-            DeviceRun("gemm", 20, 22), DeviceRun("norm", 21, 30)]
+            DeviceRun("gemm", 20, 22), DeviceRun("norm", 21, 30), DeviceRun("copy", 31, 32)]
     totals = charge(runs[::-1])  # any order in: charged in start order
-    assert totals == {"norm": NameTotals(2, 10 + 8, 10 + 9), "gemm": NameTotals(2, 5 + 7, 13 + 2),
-                      "tiny": NameTotals(1, 0.0, 0.5)}
-    assert sum(t.marginal_us for t in totals.values()) == 30  # the span: 0 to 30
+    assert totals == {"norm": NameTotals(2, 10 + 8, 10 + 9), "gemm": NameTotals(2, 5 + 2, 13 + 2),
+                      "tiny": NameTotals(1, 0.0, 0.5), "copy": NameTotals(1, 1.0, 1.0),
+                      IDLE: NameTotals(2, 5 + 1, 0.0)}
+    assert sum(t.marginal_us for t in totals.values()) == 32  # the span: 0 to 32
     assert charge([]) == {}
 
 

@@ -136,6 +136,7 @@ def test_every_engine_flag_gives_a_config_of_the_right_types():
                        "--gpu-memory-utilization", "1", "--seed", "7", "--load-format", "dummy",
                        "--no-async-scheduling", "--no-cuda-graphs", "--no-enable-prefix-caching",
                        "--prefix-cache-max-checkpoints", "2", "--prefix-cache-checkpoint-interval", "32",
+                       "--tensor-parallel-size", "2", "--enable-expert-parallel",
                        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
     config = engine_config(args).resolve()
     assert (config.gpu_memory_utilization, config.seed, config.async_scheduling) == (1.0, 7, False)

@@ -110,6 +110,26 @@ def test_another_draft_model_changes_nothing(checkpoints, mode):
     assert stats["spec_proposed_tokens"] > stats["spec_accepted_tokens"], stats
 
 
+def test_a_draft_model_of_a_shorter_context_drafts_up_to_it(checkpoints, tmp_path):
+    """A draft checkpoint with fewer positions than the target's context: the engine starts
+    (max_model_len is checked against the target's model only), the draft engine's context
+    is its own, and the outputs are the non-speculative ones."""
+    import json
+
+    short = tmp_path / "short"
+    shutil.copytree(checkpoints["target"], short)
+    config = json.loads((short / "config.json").read_text())
+    config["max_position_embeddings"] = 40
+    (short / "config.json").write_text(json.dumps(config))
+    workload = _workload()
+    expected, _, _ = _run(checkpoints["target"], workload, max_model_len=96)
+    finals, stats, engine = _run(checkpoints["target"], workload, max_model_len=96,
+                                 speculative_config=_draft(str(short)))
+    _assert_same(finals, expected)
+    assert engine.max_model_len == 96 and engine.draft_engine.max_model_len == 40
+    assert stats["spec_accepted_tokens"] > 0, stats
+
+
 @pytest.mark.parametrize("mode", ["serial", "async"])
 def test_proposals_compute_only_new_tokens_with_a_partly_right_draft(checkpoints, mode):
     """Whatever a proposal's drafts were, the next proposal of the request resumes at the
