@@ -278,6 +278,7 @@ class LLMEngine:
             self._capture_graphs(max_num_seqs)
         self.requests: dict[str, Request] = {}  # accepted requests whose final output is not out yet
         self._aborted: list[Request] = []  # their final outputs go out with the next step's
+        self._undelivered: list[RequestOutput] = []  # an interrupted step's outputs: out with the next step's
         self._gc = StepGarbageCollector()
         self._seed_counter = 0
         self._inflight: StepHandle | None = None  # launched, not yet retired (kept across step calls)
@@ -463,7 +464,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Whether some accepted request has not had its final output yet."""
-        return bool(self.requests)
+        return bool(self.requests or self._undelivered)
 
     # ---- the step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -471,19 +472,26 @@ class LLMEngine:
 
         If the step raises, the requests it touched end with finish_reason "error" (their
         final outputs are returned here), their resources return to the pools, and the
-        engine keeps serving the others.
+        engine keeps serving the others. An interrupt (KeyboardInterrupt: Ctrl-C in
+        `LLM.generate`) leaves a step as half done as an error does: it ends them the same
+        way, then goes on up; their outputs come with the next step's.
         """
         self._gc.busy()
         try:
             try:
                 stepped = self._step()
-            except Exception as error:
+            except BaseException as error:
                 broken = self.group is not None and self.group.broken is not None
                 stepped = self._fail_all(self.group.broken) if broken else self._fail_step(error)
+                if not isinstance(error, Exception):
+                    self._undelivered += [self._emit(r) for r in self._aborted] + stepped
+                    self._aborted.clear()
+                    raise
         except BaseException:
             self._gc.idle()
             raise
-        outputs = [self._emit(r) for r in self._aborted] + stepped
+        outputs = self._undelivered + [self._emit(r) for r in self._aborted] + stepped
+        self._undelivered = []
         self._aborted.clear()
         if not self.requests:
             self._gc.idle()
@@ -585,7 +593,7 @@ class LLMEngine:
             return following
         return ahead
 
-    def _fail_step(self, error: Exception) -> list[RequestOutput]:
+    def _fail_step(self, error: BaseException) -> list[RequestOutput]:
         """The step raised: end every request with a row in an unretired step (or a launch
         under way) with reason "error", release their resources, and start afresh. An
         error that touched no request (e.g. in scheduling) is the engine's own: re-raised."""

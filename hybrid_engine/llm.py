@@ -53,7 +53,8 @@ class LLM:
         `generate` steps the engine until its prompts finish, so it needs the engine to
         itself: with requests added through `llm.engine` still unfinished, or another
         thread's `generate` running, it raises RuntimeError (their outputs would otherwise
-        be consumed here).
+        be consumed here). Interrupted (Ctrl-C) or failed, it aborts its own requests before
+        the exception goes on, so the next call finds the engine free.
         """
         if not self._generating.acquire(blocking=False):
             raise RuntimeError("generate() is already running in another thread: an LLM serves one caller at a "
@@ -69,10 +70,19 @@ class LLM:
         """`generate`'s work, under its lock."""
         if self.engine.has_unfinished_requests():
             raise RuntimeError("generate() needs the engine to itself: it has unfinished requests (added through "
-                               "llm.engine, or left by an interrupted generate()); step or abort them first")
+                               "llm.engine); step or abort them first")
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if isinstance(prompts, (dict, bytes)) or not hasattr(prompts, "__iter__"):
+            # (A dict would be iterated as its keys: vLLM's {"prompt": ...} must not become the prompt "prompt".)
+            raise ValueError(f"prompts must be a text, a list of token ids, or a list of those; got "
+                             f"{type(prompts).__name__}")
         prompts = list(prompts)
+        if isinstance(sampling_params, (str, bytes)) or not (
+                sampling_params is None or isinstance(sampling_params, (SamplingParams, dict))
+                or hasattr(sampling_params, "__iter__")):
+            raise ValueError(f"sampling_params must be SamplingParams, a dict of its fields, or a list of those; "
+                             f"got {type(sampling_params).__name__}")
         if sampling_params is None or isinstance(sampling_params, (SamplingParams, dict)):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -86,12 +96,21 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
         start, generated = time.perf_counter(), 0
-        with bar:
-            while len(finished) < len(ids):
-                for out in self.engine.step():
-                    generated += len(out.new_token_ids)
-                    if out.finished:
-                        finished[out.request_id] = out
-                        bar.update(1)
-                bar.set_postfix(output_tok_s=f"{generated / max(time.perf_counter() - start, 1e-9):.1f}")
+        try:
+            with bar:
+                while len(finished) < len(ids):
+                    for out in self.engine.step():
+                        generated += len(out.new_token_ids)
+                        if out.finished:
+                            finished[out.request_id] = out
+                            bar.update(1)
+                    bar.set_postfix(output_tok_s=f"{generated / max(time.perf_counter() - start, 1e-9):.1f}")
+        except BaseException:
+            # Interrupted (Ctrl-C) or failed: this call's requests leave the engine, their
+            # resources with them, so that the LLM takes the next call.
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+            raise
         return [finished[i] for i in ids]

@@ -190,3 +190,17 @@ def test_generate_takes_one_dict_of_sampling_params_for_every_prompt(make_llm):
     from_params = make_llm().generate(prompts, SamplingParams(max_tokens=5, temperature=0.0), use_tqdm=False)
     assert [o.output_token_ids for o in from_dict] == [o.output_token_ids for o in from_params]
     assert all(len(o.output_token_ids) == 5 for o in from_dict)
+
+
+@pytest.mark.parametrize("prompts, sampling_params, field", [
+    ({"prompt": "The capital of France is"}, None, "prompts"),  # vLLM's prompt dict: not its keys' texts
+    ({"prompt_token_ids": [1, 2, 3]}, None, "prompts"),
+    (None, None, "prompts"),
+    (5, None, "prompts"),
+    ("hello", "abc", "sampling_params"),  # not three entries of one character each
+])
+def test_generate_names_what_is_wrong_with_its_arguments(make_llm, prompts, sampling_params, field):
+    llm = make_llm()
+    with pytest.raises(ValueError, match=f"^{field} must be "):
+        llm.generate(prompts, sampling_params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()

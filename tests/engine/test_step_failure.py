@@ -156,3 +156,59 @@ def test_fault_draining_a_rejected_launch_keeps_finished_outputs(make_llm):
     assert run.finals["a"].finish_reason == "length" and len(run.finals["a"].output_token_ids) == 2
     assert run.finals["b"].finish_reason == "error" and "device fault" in run.finals["b"].error
     assert_drained(engine)
+
+
+def _interrupt_at(engine, obj, name, call) -> None:
+    """Make `obj.<name>` raise KeyboardInterrupt (Ctrl-C) on its `call`-th (0-based) call."""
+    original, count = getattr(obj, name), [0]
+
+    def interrupted(*args, **kwargs):
+        count[0] += 1
+        if count[0] - 1 == call:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    setattr(obj, name, interrupted)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "async"])
+@pytest.mark.parametrize("where", ["launch", "retire"])
+def test_an_interrupted_step_ends_its_requests_then_raises(make_llm, clean_runs, async_scheduling, where):
+    """Ctrl-C inside a step (the device launch, or the bookkeeping that retires a step)
+    leaves it as half done as an error: the requests it touched end with "error" (their
+    outputs come with the next step), every block and slot comes back, and the others
+    decode exactly as without the interrupt. It used to leave rows in flight that no step
+    retired: later steps failed every request, and aborts leaked their slots."""
+    llm = make_llm(max_num_seqs=2, max_num_batched_tokens=16, async_scheduling=async_scheduling)
+    engine = llm.engine
+    if where == "launch":
+        _interrupt_at(engine, engine.runner, "launch", 5)
+    else:
+        _interrupt_at(engine, engine.scheduler, "retire", 5)
+    with pytest.raises(KeyboardInterrupt):
+        drive(engine, _work())
+    run = drive(engine, [])
+    errored = {rid for rid, out in run.finals.items() if out.finish_reason == "error"}
+    assert errored and all("KeyboardInterrupt" in run.finals[rid].error for rid in errored)
+    clean = clean_runs[async_scheduling]
+    for rid in set(run.finals) - errored:
+        assert run.finals[rid].output_token_ids == clean[rid].output_token_ids, rid
+    assert_drained(engine)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "async"])
+def test_generate_interrupted_leaves_the_llm_ready(make_llm, clean_runs, async_scheduling):
+    """Ctrl-C in `generate`: its requests leave the engine with their resources, again and
+    again (each used to leak its rows' slots until generate hung), and the next call gives
+    the tokens of an uninterrupted one."""
+    llm = make_llm(max_num_seqs=2, max_num_batched_tokens=16, async_scheduling=async_scheduling)
+    prompts, params = [p for _, _, p, _ in _work()], [s for _, _, _, s in _work()]
+    for attempt in range(4):
+        _interrupt_at(llm.engine, llm.engine.runner, "launch", 2 + attempt)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts, params, use_tqdm=False)
+        llm.engine.runner.launch = type(llm.engine.runner).launch.__get__(llm.engine.runner)
+        assert_drained(llm.engine)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    clean = clean_runs[async_scheduling]
+    assert [o.output_token_ids for o in outs] == [clean[rid].output_token_ids for _, rid, _, _ in _work()]
