@@ -263,7 +263,9 @@ def test_an_aborted_request_gets_one_final_output_when_the_group_breaks(nemotron
 
 def test_an_interrupted_step_breaks_the_group_instead_of_desynchronizing_it(nemotron):
     """A KeyboardInterrupt inside the driver's forward (between two collectives) leaves the
-    workers mid-step: the next step must fail every request, not pair collectives wrongly."""
+    workers mid-step: the step fails every request and the engine is dead, instead of a
+    later step pairing collectives wrongly. Through the engine's step (the failed outputs
+    come with the next step), then through `generate` (which clears its requests)."""
     llm = _llm(nemotron.path, 2)
     layer = llm.engine.model.model.layers[3]  # an attention block: an all-reduce inside
     forward, calls = layer.forward, [0]
@@ -276,14 +278,26 @@ def test_an_interrupted_step_breaks_the_group_instead_of_desynchronizing_it(nemo
 
     layer.forward = interrupted
     try:
+        llm.engine.add_request("r", nemotron.prompts[0], GREEDY)
         with pytest.raises(KeyboardInterrupt):
-            _generate(llm, nemotron.prompts[:1])
+            while llm.engine.has_unfinished_requests():
+                llm.engine.step()
         layer.forward = forward
-        assert llm.engine.group.broken is not None
+        assert llm.engine.group.broken is not None and llm.engine.dead is not None
         outputs = []
         while llm.engine.has_unfinished_requests():
             outputs += [o for o in llm.engine.step() if o.finished]
-        assert [o.finish_reason for o in outputs] == ["error"] and llm.engine.dead is not None
+        assert [o.finish_reason for o in outputs] == ["error"]
+    finally:
+        llm.shutdown()
+    llm = _llm(nemotron.path, 2)
+    layer = llm.engine.model.model.layers[3]
+    forward, calls[0] = layer.forward, 0
+    layer.forward = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _generate(llm, nemotron.prompts[:1])
+        assert llm.engine.dead is not None and not llm.engine.has_unfinished_requests()
     finally:
         llm.shutdown()
 
