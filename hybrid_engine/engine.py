@@ -484,8 +484,7 @@ class LLMEngine:
                 broken = self.group is not None and self.group.broken is not None
                 stepped = self._fail_all(self.group.broken) if broken else self._fail_step(error)
                 if not isinstance(error, Exception):
-                    self._undelivered += [self._emit(r) for r in self._aborted] + stepped
-                    self._aborted.clear()
+                    self._undelivered += stepped  # (aborted requests' outputs wait in `_aborted`)
                     raise
         except BaseException:
             self._gc.idle()
