@@ -353,9 +353,10 @@ class PrefixCache:
                     resumed in self._checkpoints:
                 self._checkpoints.move_to_end(resumed, last=False)
             return
-        if num_computed > request.num_tokens:
+        if num_computed > min(request.num_tokens, request.cache_limit):
             # A stop among accepted drafts: the state includes drafts after the stop token,
-            # which are not the request's tokens.
+            # which are not the request's tokens. Or the state holds content past the
+            # request's `cache_limit`, which an uncached request would not compute.
             return
         final = self._save(request, progress, num_computed, goes_on=False)
         if final is None:
@@ -365,11 +366,11 @@ class PrefixCache:
                 self._checkpoints.move_to_end(checkpoint, last=False)
 
     def _register_blocks(self, request, progress: _Progress, num_computed: int) -> None:
-        """Add the request's full blocks below `num_computed` (and below its known tokens)
-        to the trie (an identical block already there stays the canonical one; the request
-        keeps its own copy)."""
+        """Add the request's full blocks below `num_computed` (and below its known tokens
+        and its `cache_limit`) to the trie (an identical block already there stays the
+        canonical one; the request keeps its own copy)."""
         node, bs = progress.node, self.block_size
-        end = min(num_computed, request.num_tokens)
+        end = min(num_computed, request.num_tokens, request.cache_limit)
         while node.alive and (node.depth + 1) * bs <= end:
             i = node.depth
             tokens = _token_slice(request, i * bs, (i + 1) * bs)

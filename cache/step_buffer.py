@@ -37,6 +37,11 @@ num_tokens). Rows past the step's count are stale and never read.
 | seq_lens            | int32   | [S]        | keys per sequence after this step               |
 | block_tables        | int32   | [S, MB]    | KV block ids of each sequence                   |
 | top_k               | int32   | [S]        | sampling                                        |
+| dt_limit_hits       | int32   | [S]        | written by the device only: 1 where the Mamba   |
+|                     |         |            | kernels found a generated token whose dt the    |
+|                     |         |            | prompt-only limit would have clamped (prefix    |
+|                     |         |            | caching); zero on the host, so every step's     |
+|                     |         |            | copy clears it                                  |
 | temperature, top_p, min_p, repetition/presence/frequency_penalty | float32 | [S] | sampling |
 | prompt_token_mask   | bool    | [T]        | token belongs to the prompt (Mamba dt limit)    |
 """
@@ -124,7 +129,7 @@ def _fields(max_tokens: int, max_seqs: int, max_blocks: int, max_new_slots: int,
         + [_Field("cu_seqlens_q", torch.int32, (max_seqs + 1,)), _Field("prefill_cu_seqlens", torch.int32, (max_seqs + 1,)),
            _Field("save_cu", torch.int32, (max_seqs + 1,)), _Field("save_offsets", torch.int32, (max_saves,)),
            _Field("seq_lens", torch.int32, s), _Field("block_tables", torch.int32, (max_seqs, max_blocks)),
-           _Field("top_k", torch.int32, s)]
+           _Field("top_k", torch.int32, s), _Field("dt_limit_hits", torch.int32, s)]
         + [_Field(n, torch.float32, s) for n in SAMPLING_F32]
         + [_Field("prompt_token_mask", torch.bool, t)]
     )

@@ -54,6 +54,7 @@ from hybrid_engine.spec.drafter import Drafter
 from hybrid_engine.step import StepHandle, StepSamples
 from hybrid_engine.tokenizer import build_byte_tokenizer, load_tokenizer
 from layers.kernels import select_ops
+from layers.kernels.reference.ssd import clamps_dt
 from layers.parallel import SINGLE, ParallelContext
 
 logger = logging.getLogger(__name__)
@@ -271,9 +272,19 @@ class LLMEngine:
             self.prefix_cache = PrefixCache(self.kv, self.mamba, cfg.prefix_cache_checkpoint_interval)
         self.scheduler = Scheduler(self.kv, self.mamba, cfg.max_num_batched_tokens, self.max_model_len, self.drafter,
                                    self.prefix_cache)
+        # Exactness of the prefix cache (docs/cache.md): where the model's prefill clamps dt
+        # (the prompt-only dt limit), what a request computed for its generated tokens is
+        # cached only if no such dt was out of the limit. The draft engine (engine_id 1)
+        # does not check: its cached states only shape drafts, which verification checks.
+        # Under tensor parallelism each rank holds some heads only, so the driver assumes
+        # every row was out of the limit (only prompt content is cached).
+        checks = (self.prefix_cache is not None and engine_id == 0
+                  and any(clamps_dt(m.dt_limit) for m in self.model.mamba_mixers()))
+        self._assume_dt_limit_hits = checks and tp.world_size > 1
         self.runner = ModelRunner(self.model, self.kv, self.mamba, cfg.max_num_batched_tokens, self.max_model_len,
                                   self.device, max_drafts, sender=sender,
-                                  follower=group is not None and not group.is_driver)
+                                  follower=group is not None and not group.is_driver,
+                                  check_dt_limit=checks and tp.world_size == 1)
         if cfg.cuda_graphs:
             self._capture_graphs(max_num_seqs)
         self.requests: dict[str, Request] = {}  # accepted requests whose final output is not out yet
@@ -538,8 +549,9 @@ class LLMEngine:
 
     def _retire(self, handle: StepHandle, samples: StepSamples) -> RetiredStep:
         """Hand a step's samples (`handle.wait()`) to the scheduler's bookkeeping."""
+        hits = [True] * len(handle.chunks) if self._assume_dt_limit_hits else samples.dt_limit_hits
         retired = self.scheduler.retire(handle.chunks, handle.valid, samples.token_ids, samples.logprobs,
-                                        samples.verified)
+                                        samples.verified, hits)
         self._unretired.remove(handle.sched)
         if retired.num_dropped:
             self._counters["rejected_launches"] += 1

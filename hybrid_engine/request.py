@@ -130,6 +130,11 @@ class Request:
     # prompt's end: a draft model's proposal sets the end of the target's committed tokens,
     # where its next proposal resumes, and leaves no finish checkpoint (spec/draft_model.py).
     checkpoint_at: int | None = None
+    # How far its committed content may be cached: content computed with a dt that a
+    # prefill of the same tokens as a prompt would have clamped (a generated token's, on
+    # a model with a prompt-only dt limit) is not what an uncached request would compute,
+    # so the cache keeps nothing of it or after it (docs/cache.md, "Exactness").
+    cache_limit: int = NEVER
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None

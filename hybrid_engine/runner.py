@@ -56,12 +56,16 @@ class ModelRunner:
 
     def __init__(self, model: HybridForCausalLM, kv: KVBlockAllocator, mamba: MambaStateAllocator,
                  max_num_batched_tokens: int, max_model_len: int, device: torch.device, max_drafts: int = 0,
-                 sender: "StepSender | None" = None, follower: bool = False):
+                 sender: "StepSender | None" = None, follower: bool = False, check_dt_limit: bool = False):
         """Tensor parallelism (hybrid_engine/parallel/): the driver's runner has a `sender`
         that mirrors each prepared step, and the device operations of its pools, to the
         workers; a worker's runner is a `follower`: it runs the driver's steps and keeps
-        their samples on the device (they come back from the driver only)."""
+        their samples on the device (they come back from the driver only).
+        `check_dt_limit`: the Mamba layers check generated tokens' dt against the
+        prompt-only limit, and each step's row flags come back with its samples
+        (`StepSamples.dt_limit_hits`)."""
         self.model, self.kv, self.mamba, self.device = model, kv, mamba, device
+        self.check_dt_limit = check_dt_limit
         self.sender, self.follower = sender, follower
         self._device_ops = None if sender is None else sender.device_ops
         kv.device_ops = mamba.device_ops = self._device_ops
@@ -108,6 +112,7 @@ class ModelRunner:
         # pinned slice is staged through a temporary and silently synchronizes.
         self._host_out = [torch.zeros(self.max_seqs * self.max_width * (2 + 2 * (1 + MAX_LOGPROBS)),
                                       dtype=torch.float64, pin_memory=pin) for _ in range(2)]
+        self._host_hits = [torch.zeros(self.max_seqs, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._launches = 0
         # The newest launched step's samples, row by row, at a fixed address: a launch-ahead
         # step gathers its decode inputs here (CUDA graphs need fixed input addresses).
@@ -497,6 +502,7 @@ class ModelRunner:
             logits_indices=d["logits_indices"][:s],
             state_saves=StateSaves(d["save_cu"][: plan.num_prefill + 1], d["save_offsets"][: plan.num_saves],
                                    d["save_slots"][: plan.num_saves]) if plan.num_saves else None,
+            dt_limit_hits=d["dt_limit_hits"][:s] if self.check_dt_limit else None,
         )
 
     def _sampling_tensors(self, plan: StepPlan, meta: ForwardMeta, input_ids: torch.Tensor) -> SamplingTensors:
@@ -608,10 +614,14 @@ class ModelRunner:
         if self.follower:
             return StepHandle(plan, packed, None)
         host_out = self._host_out[self._launches % 2][: packed.numel()].view(packed.shape)
-        self._launches += 1
         host_out.copy_(packed, non_blocking=True)
+        host_hits = None
+        if self.check_dt_limit:  # (before the next step's buffer copy clears them)
+            host_hits = self._host_hits[self._launches % 2][: plan.num_seqs]
+            host_hits.copy_(self.buffer.device["dt_limit_hits"][: plan.num_seqs], non_blocking=True)
+        self._launches += 1
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record(self.buffer.stream)
-        return StepHandle(plan, host_out, event)
+        return StepHandle(plan, host_out, event, host_hits)

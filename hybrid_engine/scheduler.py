@@ -373,10 +373,13 @@ class Scheduler:
 
     def retire(self, chunks: list[ScheduledChunk], valid: list[bool], token_ids: list[int],
                logprobs: list[list[tuple[int, float]]] | None,
-               verified: list[VerifiedRow] | None = None) -> RetiredStep:
+               verified: list[VerifiedRow] | None = None,
+               dt_limit_hits: list[bool] | None = None) -> RetiredStep:
         """A launched step's samples are on the host: commit its valid rows, append their
         tokens, check stops, and release what finished requests hold. `verified[i]`: what
-        verification kept of row i when it carries drafts.
+        verification kept of row i when it carries drafts. `dt_limit_hits[i]`: a generated
+        token of row i had a dt the prompt-only limit would have clamped, so the prefix
+        cache takes nothing of the request from the row's first generated token on.
 
         Runs for every row every step, so the common case (a valid decode row) is kept
         flat: no helper calls but the stop check, unless the row is dropped, verifies
@@ -393,6 +396,8 @@ class Scheduler:
                 result.num_dropped += valid[i]
                 self._release_if_idle(request)
                 continue
+            if dt_limit_hits is not None and dt_limit_hits[i]:
+                request.cache_limit = min(request.cache_limit, max(chunk.start, len(request.prompt_token_ids)))
             if chunk.drafts:
                 self._retire_verify_row(chunk, verified[i], result)
                 continue

@@ -45,6 +45,9 @@ class StepSamples:
     token_ids: list[int]
     logprobs: list[list[tuple[int, float]]] | None  # (token id, logprob): sampled first, then top-n
     verified: list[VerifiedRow] | None = None  # per decode row, when the step verifies drafts
+    # Per scheduled sequence, when the runner checks the dt limit: whether a generated
+    # token of the row had a dt the prompt-only limit would have clamped.
+    dt_limit_hits: list[bool] | None = None
 
 
 class StepHandle:
@@ -53,11 +56,12 @@ class StepHandle:
     `valid[i]` is cleared when reconciliation rejects row i (`chunks[i]`).
     """
 
-    def __init__(self, plan: StepPlan, host_out: torch.Tensor, event: torch.cuda.Event | None):
+    def __init__(self, plan: StepPlan, host_out: torch.Tensor, event: torch.cuda.Event | None,
+                 host_hits: torch.Tensor | None = None):
         self.plan = plan
         self.sched = plan.sched
         self.chunks = plan.sched.chunks  # the step's rows, in row order
-        self._host_out, self._event = host_out, event
+        self._host_out, self._event, self._host_hits = host_out, event, host_hits
         self.valid = [True] * len(self.chunks)  # real rows only: graph padding is not a row
 
     def wait(self) -> StepSamples:
@@ -67,13 +71,17 @@ class StepHandle:
         plan = self.plan
         rows = self._host_out[: plan.num_sampled].tolist()
         if plan.decode_width > 1:
-            return self._verified_samples(rows)
-        tokens = [int(r[0]) for r in rows]
-        logprobs = None
-        if plan.num_logprobs >= 0:
-            k = 1 + plan.num_logprobs
-            logprobs = [list(zip(map(int, r[1 + k:1 + 2 * k]), r[1:1 + k])) for r in rows]
-        return StepSamples(tokens, logprobs)
+            samples = self._verified_samples(rows)
+        else:
+            tokens = [int(r[0]) for r in rows]
+            logprobs = None
+            if plan.num_logprobs >= 0:
+                k = 1 + plan.num_logprobs
+                logprobs = [list(zip(map(int, r[1 + k:1 + 2 * k]), r[1:1 + k])) for r in rows]
+            samples = StepSamples(tokens, logprobs)
+        if self._host_hits is not None:
+            samples.dt_limit_hits = [hit != 0 for hit in self._host_hits[: len(self.chunks)].tolist()]
+        return samples
 
     def _verified_samples(self, rows: list[list[float]]) -> StepSamples:
         """A verify step's samples: rows of [token, drafts accepted, logprobs...], every

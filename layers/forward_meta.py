@@ -41,6 +41,11 @@ class ForwardMeta:
     # Prefix caching: Mamba states the prefill chunks also write from inside themselves
     # (checkpoints at interval positions); None when the step has none.
     state_saves: StateSaves | None = None
+    # Prefix caching on a model whose prefill clamps dt (the prompt-only dt limit): [S]
+    # int32, zeroed by the step's copy; a Mamba layer sets row i's entry to 1 when a
+    # generated token of the row has a dt the limit would have clamped (see
+    # `KernelOps.ssm_state_update`). None: nothing is checked.
+    dt_limit_hits: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

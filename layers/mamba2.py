@@ -19,6 +19,7 @@ from torch import nn
 
 from layers.forward_meta import ForwardMeta
 from layers.kernels.ops import KernelOps
+from layers.kernels.reference.ssd import clamps_dt
 from layers.norms import gated_rms_norm_across_ranks
 from layers.parallel import (SINGLE, ColumnParallelLinear, ParallelContext, RowParallelLinear, Shard, block_shard,
                              set_shard)
@@ -116,13 +117,16 @@ class Mamba2Mixer(nn.Module):
             zxbcdt = self.in_proj(x)
         z, xbc, dt = zxbcdt.split([self.d_ssm, self.conv_dim, self.num_heads], dim=-1)
         a = self._a()
+        # Generated tokens' dt is checked against the prompt-only limit (prefix caching:
+        # `ForwardMeta.dt_limit_hits`): one entry per row, decode rows first.
+        hits = meta.dt_limit_hits if clamps_dt(self.dt_limit) else None
         ys = []
         if meta.decode_width > 1:
-            ys.append(self._verify(xbc[:nd], dt[:nd], a, weight, meta))
+            ys.append(self._verify(xbc[:nd], dt[:nd], a, weight, meta, hits))
         elif nd:
             xbc_d = xbc if decode_step else kernels.causal_conv1d_update(xbc[:nd], weight, self.conv1d.bias,
                                                                          self.conv_state, src, dst)
-            ys.append(self._decode(xbc_d, dt[:nd], a, src, dst))
+            ys.append(self._decode(xbc_d, dt[:nd], a, src, dst, None if hits is None else hits[:nd]))
         if meta.num_prefill:
             src, dst = meta.mamba_src[meta.num_decode:meta.num_seqs], meta.mamba_dst[meta.num_decode:meta.num_seqs]
             cu = meta.prefill_cu_seqlens
@@ -130,8 +134,9 @@ class Mamba2Mixer(nn.Module):
             xbc_p = kernels.causal_conv1d_varlen(xbc[nd:], weight, self.conv1d.bias, self.conv_state, cu, src, dst,
                                                  saves=saves)
             xs, b, c = self._split_xbc(xbc_p)
-            ys.append(kernels.ssd_chunk_scan_varlen(xs, dt[nd:], a, b, c, self.D, cu, self.ssm_state, src, dst,
-                                                    self.dt_bias, self.dt_limit, meta.prompt_token_mask[nd:], saves))
+            ys.append(kernels.ssd_chunk_scan_varlen(
+                xs, dt[nd:], a, b, c, self.D, cu, self.ssm_state, src, dst, self.dt_bias, self.dt_limit,
+                meta.prompt_token_mask[nd:], saves, None if hits is None else hits[meta.num_decode:meta.num_seqs]))
         y = torch.cat(ys) if len(ys) > 1 else ys[0]
         y = y.reshape(x.shape[0], self.d_ssm)
         if self.norm_spans_ranks:
@@ -142,15 +147,16 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(y.to(x.dtype))
 
     def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, src: torch.Tensor,
-                dst: torch.Tensor) -> torch.Tensor:
+                dst: torch.Tensor, hits: torch.Tensor | None) -> torch.Tensor:
         """One token per row (xbc already through the conv update), SSM state from `src` to
-        `dst`. Decode tokens are generated tokens (no dt limit): the update applies
-        softplus(dt + dt_bias) itself."""
+        `dst`. Decode tokens are generated tokens (no dt limit, only its check into `hits`):
+        the update applies softplus(dt + dt_bias) itself."""
         xs, b, c = self._split_xbc(xbc)
-        return self.ops.ssm_state_update(self.ssm_state, xs, dt, a, b, c, self.D, src, dst, self.dt_bias)
+        return self.ops.ssm_state_update(self.ssm_state, xs, dt, a, b, c, self.D, src, dst, self.dt_bias,
+                                         self.dt_limit, hits)
 
     def _verify(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, weight: torch.Tensor,
-                meta: ForwardMeta) -> torch.Tensor:
+                meta: ForwardMeta, hits: torch.Tensor | None) -> torch.Tensor:
         """Verify rows: position by position, the same single-token update as a decode row,
         each position's state written to its own slot (`meta.verify_dst[j]`), so the state
         after any accepted draft can be committed without recomputation."""
@@ -163,7 +169,7 @@ class Mamba2Mixer(nn.Module):
         y = self.ops.ssm_state_verify(self.ssm_state, xs.unflatten(-1, (self.num_heads, self.head_dim)),
                                       dt.view(rows, width, -1), a, b.unflatten(-1, (self.n_groups, self.state_size)),
                                       c.unflatten(-1, (self.n_groups, self.state_size)), self.D, src, dst,
-                                      self.dt_bias)
+                                      self.dt_bias, self.dt_limit, None if hits is None else hits[:rows])
         return y.flatten(0, 1)
 
     def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -69,7 +69,7 @@ def greedy_traces(llm: LLM, prompts: list[list[int]], output_len: int,
     targets = dict(zip(ids, forced or []))
     retire = engine.scheduler.retire
 
-    def forcing_retire(chunks, valid, token_ids, logprobs, verified=None):
+    def forcing_retire(chunks, valid, token_ids, logprobs, verified=None, dt_limit_hits=None):
         token_ids = list(token_ids)
         for i, chunk in enumerate(chunks):
             trace = traces.get(chunk.request.request_id)
@@ -81,7 +81,7 @@ def greedy_traces(llm: LLM, prompts: list[list[int]], output_len: int,
             trace.tokens.append(token)
             trace.logprobs.append(dict(logprobs[i]).get(token, math.nan))
             token_ids[i] = token
-        return retire(chunks, valid, token_ids, logprobs, verified)
+        return retire(chunks, valid, token_ids, logprobs, verified, dt_limit_hits)
 
     engine.scheduler.retire = forcing_retire
     try:

@@ -117,7 +117,8 @@ class KernelOps(Protocol):
                               src_slots: torch.Tensor, dst_slots: torch.Tensor, dt_bias: torch.Tensor | None = None,
                               dt_limit: tuple[float, float] = (0.0, math.inf),
                               dt_limit_mask: torch.Tensor | None = None,
-                              saves: StateSaves | None = None) -> torch.Tensor:
+                              saves: StateSaves | None = None,
+                              dt_limit_hits: torch.Tensor | None = None) -> torch.Tensor:
         """Mamba-2 SSD scan over packed prefill chunks (how it blocks the scan is each
         implementation's choice: the result does not depend on it, up to rounding; with
         `saves`, SSM states also written from inside the sequences, the blocking restarts at
@@ -126,15 +127,24 @@ class KernelOps(Protocol):
         when `dt_bias` [H] is given: softplus(dt + dt_bias) in float32 is applied inside.
         Then the tokens where `dt_limit_mask` [T] bool is True (all tokens when None) are
         clamped to `dt_limit` (the default (0, inf): no clamp); see
-        `layers.kernels.reference.ssd.process_dt`. Returns y: [T, H, P] in x's dtype (D
+        `layers.kernels.reference.ssd.process_dt`. `dt_limit_hits` ([S] int32, with a
+        mask): sequence s's entry is set to 1 when one of its unmasked tokens has a dt
+        outside `dt_limit` (see `ssm_state_update`). Returns y: [T, H, P] in x's dtype (D
         skip included, gate not applied)."""
 
     def ssm_state_update(self, ssm_states: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
                          B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, src_slots: torch.Tensor,
-                         dst_slots: torch.Tensor, dt_bias: torch.Tensor | None = None) -> torch.Tensor:
+                         dst_slots: torch.Tensor, dt_bias: torch.Tensor | None = None,
+                         dt_limit: tuple[float, float] = (0.0, math.inf),
+                         dt_limit_hits: torch.Tensor | None = None) -> torch.Tensor:
         """One decode token per row of the SSM recurrence. x: [B, H, P]; dt: [B, H] processed,
         or raw when `dt_bias` [H] is given (softplus(dt + dt_bias) is applied inside, like
-        mamba-ssm's `dt_softplus`); B, C: [B, G, N]. Returns y: [B, H, P] in x's dtype."""
+        mamba-ssm's `dt_softplus`); B, C: [B, G, N]. Returns y: [B, H, P] in x's dtype.
+        A decode token is a generated token: `dt_limit` is never applied to it, only checked
+        when `dt_limit_hits` ([B] int32) is given: a live row with a head whose dt lies
+        outside the limit gets its entry set to 1 (never cleared; prefix caching keeps what
+        such a row computed out of the cache, since a prefill of the same tokens as a prompt
+        would clamp that dt)."""
 
     def causal_conv1d_verify(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              conv_states: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor,
@@ -147,11 +157,14 @@ class KernelOps(Protocol):
 
     def ssm_state_verify(self, ssm_states: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
                          B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, src_slots: torch.Tensor,
-                         dst_slots: torch.Tensor, dt_bias: torch.Tensor | None = None) -> torch.Tensor:
+                         dst_slots: torch.Tensor, dt_bias: torch.Tensor | None = None,
+                         dt_limit: tuple[float, float] = (0.0, math.inf),
+                         dt_limit_hits: torch.Tensor | None = None) -> torch.Tensor:
         """Verify rows: W consecutive tokens per row, each the `ssm_state_update` of one
         token, the state after position j written to `dst_slots[j]` (so any accepted prefix
         can be committed). x: [B, W, H, P]; dt: [B, W, H]; B, C: [B, W, G, N]; src_slots [B]
-        and dst_slots [W, B] as in `causal_conv1d_verify`. Returns y: [B, W, H, P]."""
+        and dst_slots [W, B] as in `causal_conv1d_verify`; `dt_limit` / `dt_limit_hits` as
+        in `ssm_state_update`, over the row's live positions. Returns y: [B, W, H, P]."""
 
     def write_kv_cache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slot_mapping: torch.Tensor) -> None:

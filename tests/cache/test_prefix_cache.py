@@ -8,7 +8,7 @@ import torch
 
 from cache.kv_cache import KVBlockAllocator
 from cache.mamba_cache import MambaStateAllocator
-from cache.prefix_cache import PrefixCache
+from cache.prefix_cache import NEVER, PrefixCache
 
 BS = 4  # tokens per KV block
 
@@ -29,6 +29,7 @@ class FakeRequest:
     blocks: list[int] = field(default_factory=list)
     state: object = None
     checkpoint_at: int | None = None
+    cache_limit: int = NEVER
 
     @property
     def num_tokens(self) -> int:
@@ -45,11 +46,12 @@ def fill_kv(kv, block, value):
         v[block] = -value
 
 
-def run_request(kv, mamba, cache, tokens, prompt_len=None, hit=None):
+def run_request(kv, mamba, cache, tokens, prompt_len=None, hit=None, cache_limit=NEVER):
     """Admit a request for `tokens` (prompt = the first prompt_len), 'compute' all of it (KV
     block i filled with i + 1 + 100 * id, state slot with a marker) and finish it."""
     prompt_len = len(tokens) if prompt_len is None else prompt_len
-    request = FakeRequest(prompt_token_ids=tokens[:prompt_len], output_token_ids=tokens[prompt_len:], blocks=[])
+    request = FakeRequest(prompt_token_ids=tokens[:prompt_len], output_token_ids=tokens[prompt_len:], blocks=[],
+                          cache_limit=cache_limit)
     start = 0
     if hit is not None:
         request.blocks, start = hit.blocks, hit.position
@@ -85,6 +87,28 @@ def test_resumes_at_the_deepest_checkpoint_below_the_last_token():
             cache.cancel(hit)
     # An identical prompt resumes before its last token (8, not at its prompt end 11).
     assert positions == [13, 13, 11, 8, 8, None, None]
+
+
+def test_nothing_past_a_requests_cache_limit_is_cached():
+    """Content past `Request.cache_limit` (generated tokens computed with a dt the prompt-only
+    limit would have clamped) is not what an uncached request computes: no block past it is
+    registered and no finish checkpoint is taken; the prompt's checkpoints stay."""
+    kv, mamba, cache = make()
+    prompt = list(range(10, 21))  # 11 tokens: checkpoints at 8 (interval) and 11 (prompt end)
+    answer = [50, 51, 52, 53, 54, 55]  # blocks of 4: tokens [12, 16) fill the 4th block
+    run_request(kv, mamba, cache, prompt + answer, prompt_len=11, cache_limit=13)
+    # The 3 full blocks below 13, and the prompt-end checkpoint's copy of its partial block.
+    assert cache.num_checkpoints == 2 and kv.num_cached == 3 + 1
+    hit = cache.acquire(prompt + answer + [1])
+    assert hit.position == 11
+    cache.cancel(hit)
+    # The same tokens with no limit: the 4th block is registered and the finish checkpoint
+    # (block aligned: no copy) taken, so a later request resumes past the answer.
+    run_request(kv, mamba, cache, prompt + answer, prompt_len=11)
+    assert cache.num_checkpoints == 3 and kv.num_cached == 4 + 1
+    hit = cache.acquire(prompt + answer + [1])
+    assert hit.position == len(prompt + answer) - 1
+    cache.cancel(hit)
 
 
 def test_hit_shares_full_blocks_and_copies_the_partial_one():

@@ -577,6 +577,36 @@ def test_ssm_state_update(dtype: torch.dtype, batch: int, in_place: bool, shape:
     check_pool(states, expected_states, dst[valid], 1e-5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 5, 64])
+def test_ssm_state_update_checks_the_dt_limit(dtype: torch.dtype, batch: int) -> None:
+    """With `dt_limit_hits`, the update flags the live rows with a head whose dt lies
+    outside the limit (as the reference does, and as computed here), leaves the other
+    entries as they were (a 1 is never cleared), and computes exactly what it computes
+    without the check (the limit is not applied)."""
+    heads, head_dim, groups, state = SSM_SHAPES[0]
+    src, dst, valid, num_slots = slot_plan(every_third_padded(batch), False)
+    states = randn(num_slots, heads, head_dim, state, scale=0.5)
+    x, _, a, b, c, d_skip = _ssm_inputs(batch, heads, head_dim, groups, state, dtype)
+    dt = randn(batch, heads, dtype=dtype, scale=3.0)
+    dt_bias = randn(heads)
+    limit = (0.01, 6.0)  # softplus(N(0, 9)) leaves it now and then: some rows flagged, most not
+    dt_full = F.softplus(dt.float() + dt_bias)
+    outside = ((dt_full < limit[0]) | (dt_full > limit[1])).any(1) & valid
+    initial = torch.zeros(batch, dtype=torch.int32, device=DEVICE)
+    initial[::4] = 1  # already set by an earlier layer
+    expected_hits = torch.where(outside, 1, initial)
+    if batch == 64:
+        assert (outside & (initial == 0)).any() and not outside[valid].all(), "a case that flags some rows"
+    hits, ref_hits = initial.clone(), initial.clone()
+    unchecked_states, checked_states = states.clone(), states.clone()
+    unchecked = ssm_update.ssm_state_update(unchecked_states, x, dt, a, b, c, d_skip, src, dst, dt_bias)
+    out = ssm_update.ssm_state_update(checked_states, x, dt, a, b, c, d_skip, src, dst, dt_bias, limit, hits)
+    ref.ssm_state_update(states.clone(), x, dt, a, b, c, d_skip, src, dst, dt_bias, limit, ref_hits)
+    assert torch.equal(hits, expected_hits) and torch.equal(ref_hits, expected_hits)
+    assert torch.equal(out, unchecked) and torch.equal(checked_states, unchecked_states)
+
+
 def _check_ssd(dtype: torch.dtype, lens: list[int], padded: list[bool], in_place: bool,
                shape: tuple[int, int, int, int], dt_form: str = "processed", with_saves: bool = False) -> None:
     """The Triton SSD against the reference on one case: outputs, and every state slot."""
@@ -598,12 +628,25 @@ def _check_ssd(dtype: torch.dtype, lens: list[int], padded: list[bool], in_place
             kwargs["dt_limit"] = (0.3, 2.0)  # clamps a good share of softplus(N(0, 9)) from both sides
         if "masked" in dt_form:
             kwargs["dt_limit_mask"] = torch.rand(tokens, device=DEVICE) < 0.5
+    hits = ref_hits = None
+    if "masked" in dt_form:  # generated (unmasked) tokens' dt checked against the limit
+        hits = torch.zeros(len(lens), dtype=torch.int32, device=DEVICE)
+        ref_hits = hits.clone()
     expected_states = states.clone()
-    expected = ref.ssd_chunk_scan_varlen(x, dt, a, b, c, d_skip, cu, expected_states, src, dst, **kwargs, saves=saves)
-    out = ssd.ssd_chunk_scan_varlen(x, dt, a, b, c, d_skip, cu, states, src, dst, **kwargs, saves=saves)
+    expected = ref.ssd_chunk_scan_varlen(x, dt, a, b, c, d_skip, cu, expected_states, src, dst, **kwargs, saves=saves,
+                                         dt_limit_hits=ref_hits)
+    out = ssd.ssd_chunk_scan_varlen(x, dt, a, b, c, d_skip, cu, states, src, dst, **kwargs, saves=saves,
+                                    dt_limit_hits=hits)
     assert_close(out[tok_valid], expected[tok_valid], TOL[dtype])
     assert (out[~tok_valid] == 0).all()
     check_pool(states, expected_states, torch.cat([dst[valid], save_slots]), TOL[dtype])
+    if hits is not None:
+        lo, hi = kwargs["dt_limit"]
+        dt_full = F.softplus(dt.float() + kwargs["dt_bias"])
+        outside = (((dt_full < lo) | (dt_full > hi)).any(1) & ~kwargs["dt_limit_mask"]).tolist()
+        bounds = cu.tolist()
+        expected_hits = [int(ok and any(outside[bounds[i]:bounds[i + 1]])) for i, ok in enumerate(valid.tolist())]
+        assert hits.tolist() == expected_hits and ref_hits.tolist() == expected_hits
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -65,6 +65,33 @@ def test_ssm_state_verify(dtype, in_place):
     _check_against_reference(fused, ref, pool, dst, y, y_ref, dtype)
 
 
+def test_ssm_state_verify_checks_the_dt_limit():
+    """With `dt_limit_hits`, a row is flagged when a live position's dt lies outside the
+    limit, as the chained single-token updates and the reference flag it; padding rows and
+    positions are not looked at; the outputs are those without the check."""
+    torch.manual_seed(1)
+    src, dst = _slots(False)
+    x = torch.randn(ROWS, WIDTH, HEADS, HEAD_DIM, device="cuda")
+    dt = torch.randn(ROWS, WIDTH, HEADS, device="cuda") * 3
+    b = torch.randn(ROWS, WIDTH, GROUPS, STATE, device="cuda")
+    c = torch.randn(ROWS, WIDTH, GROUPS, STATE, device="cuda")
+    a, d, dt_bias = -torch.rand(HEADS, device="cuda"), torch.randn(HEADS, device="cuda"), torch.randn(HEADS, device="cuda")
+    pool = torch.randn(SLOTS, HEADS, HEAD_DIM, STATE, device="cuda")
+    softplus = torch.nn.functional.softplus(dt + dt_bias)
+    limit = (float(softplus[0, 2].min()) + 1e-3, 100.0)  # row 0 leaves it at position 2 (or before)
+    live = torch.stack([(dst[j] >= 0) & (src >= 0) for j in range(WIDTH)], dim=1)  # [rows, width]
+    expected = (((softplus < limit[0]) | (softplus > limit[1])).any(-1) & live).any(-1).int()
+    assert expected[0] == 1 and expected[3] == 0
+    hits = [torch.zeros(ROWS, dtype=torch.int32, device="cuda") for _ in range(3)]
+    y = triton_ssm.ssm_state_verify(pool.clone(), x, dt, a, b, c, d, src, dst, dt_bias, limit, hits[0])
+    chained = pool.clone()
+    run_verify_positions(src, dst, lambda j, s, t: triton_ssm.ssm_state_update(
+        chained, x[:, j], dt[:, j], a, b[:, j], c[:, j], d, s, t, dt_bias, limit, hits[1]))
+    reference.ssm_state_verify(pool.clone(), x, dt, a, b, c, d, src, dst, dt_bias, limit, hits[2])
+    assert all(torch.equal(h, expected) for h in hits), (hits, expected)
+    assert torch.equal(y, triton_ssm.ssm_state_verify(pool.clone(), x, dt, a, b, c, d, src, dst, dt_bias))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("in_place", [False, True])
 def test_causal_conv1d_verify(dtype, in_place):

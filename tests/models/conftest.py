@@ -42,11 +42,12 @@ GRANITE_DENSE_NOPE = dict(
 # GraniteMoeHybrid clamps to time_step_limit. position_embedding_type None is transformers' NoPE.
 NEMOTRON_MOE_SHARP = dict(NEMOTRON_MOE, initializer_range=0.3, time_step_min=0.05, time_step_max=0.1)
 GRANITE_MOE_ROPE_SHARP = dict(GRANITE_MOE_ROPE, initializer_range=0.3, tie_word_embeddings=False)
-# Sharp, with a dt limit that never binds (time_step_min 1e-6 is its lower bound):
-# prompt and generated tokens update the state alike, so a conversation's next turn,
+# Sharp, with a dt limit that never binds: dt >= time_step_min = 1e-30, where the dt_bias
+# init (dt drawn from [1e-30, 0.1], floored at 1e-4) keeps softplus(dt + dt_bias) far above
+# it. Prompt and generated tokens update the state alike, so a conversation's next turn,
 # resumed from the state its previous answer left (prefix caching), equals a fresh
-# prefill of the whole text.
-NEMOTRON_MOE_SHARP_OPEN = dict(NEMOTRON_MOE, initializer_range=0.3, time_step_min=1e-6, time_step_floor=1e-6,
+# prefill of the whole text. (1e-6 bound: generated tokens' dt fell under it.)
+NEMOTRON_MOE_SHARP_OPEN = dict(NEMOTRON_MOE, initializer_range=0.3, time_step_min=1e-30, time_step_floor=1e-4,
                                head_dim=16)  # (the Triton attention kernel needs head_dim >= 16: GPU tests use it)
 GRANITE_MOE_NOPE_SHARP = dict(GRANITE_MOE_ROPE_SHARP, position_embedding_type=None, time_step_limit=(0.0, 0.06))
 CHECKPOINTS = {
@@ -132,7 +133,10 @@ def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> tuple[list[int], to
     """transformers' greedy continuation of `prompt` with its cache (prompt prefilled by the
     chunked scan, each generated token a recurrent decode step: the engine's semantics), and
     the log_softmax of its raw logits at every generated position ([max_new_tokens, vocab])."""
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+    ids = torch.tensor([prompt])
+    # (An explicit mask: generate would mask out prompt tokens equal to pad_token_id.)
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                      min_new_tokens=max_new_tokens,
                       do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
                       return_dict_in_generate=True)
     logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)

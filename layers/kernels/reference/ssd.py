@@ -71,6 +71,13 @@ def clamps_dt(dt_limit: tuple[float, float]) -> bool:
     return lo > 0.0 or hi != math.inf
 
 
+def outside_dt_limit(dt: torch.Tensor, dt_limit: tuple[float, float]) -> torch.Tensor:
+    """Per token of dt [T, H] (processed, not clamped): whether a head's dt lies outside
+    `dt_limit`, i.e. a prefill would clamp it. [T] bool."""
+    lo, hi = dt_limit
+    return ((dt < lo) | (dt > hi)).any(dim=-1)
+
+
 def process_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_limit: tuple[float, float] = (0.0, math.inf),
                dt_limit_mask: torch.Tensor | None = None) -> torch.Tensor:
     """dt as the scan uses it, in float32: softplus(dt + dt_bias) when `dt_bias` is given
@@ -100,6 +107,7 @@ def ssd_chunk_scan_varlen(
     dt_limit: tuple[float, float] = (0.0, math.inf),
     dt_limit_mask: torch.Tensor | None = None,
     saves: StateSaves | None = None,
+    dt_limit_hits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Chunked SSD over packed variable-length sequences (prefill chunks), in blocks of `CHUNK`.
 
@@ -107,11 +115,18 @@ def ssd_chunk_scan_varlen(
     A, D: [H]; B, C: [T, G, N]; cu_seqlens: [S+1]; ssm_states: [slots, H, P, N] float32;
     each sequence starts from `ssm_states[src_slots[s]]` and its final state goes to
     `ssm_states[dst_slots[s]]`. `saves`: the state after a sequence's first `offsets[k]`
-    tokens also goes to `slots[k]`; the blocks restart there.
+    tokens also goes to `slots[k]`; the blocks restart there. `dt_limit_hits` [S]: set to 1
+    for a sequence with an unmasked token whose dt lies outside `dt_limit`.
     Returns y: [T, H, P] in x's dtype (D skip included, gate not applied).
     """
     heads = x.shape[1]
     rep = heads // B.shape[1]
+    if dt_limit_hits is not None and dt_limit_mask is not None:
+        outside = outside_dt_limit(process_dt(dt, dt_bias), dt_limit) & ~dt_limit_mask
+        bounds, src = cu_seqlens.tolist(), src_slots.tolist()
+        for s in range(len(bounds) - 1):
+            if src[s] >= 0 and outside[bounds[s]:bounds[s + 1]].any():
+                dt_limit_hits[s] = 1
     dt = process_dt(dt, dt_bias, dt_limit, dt_limit_mask)
     out = torch.zeros_like(x)  # padding sequences and tokens past cu_seqlens[-1] stay zero
     bounds = cu_seqlens.tolist()
@@ -151,19 +166,24 @@ def ssm_state_update(
     src_slots: torch.Tensor,
     dst_slots: torch.Tensor,
     dt_bias: torch.Tensor | None = None,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    dt_limit_hits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode token per row: read state at src slot, write the new state at dst slot.
 
     x: [B, H, P]; dt: [B, H], processed, or raw when `dt_bias` [H] is given (then
     softplus(dt + dt_bias) is applied here, like mamba-ssm's `dt_softplus`); B, C:
     [B, G, N]; rows with src slot -1 are padding (output zeros, no state read or written).
-    Returns y: [B, H, P] in x's dtype.
+    `dt_limit` is not applied, only checked: a live row with a dt outside it sets its
+    `dt_limit_hits` [B] entry to 1. Returns y: [B, H, P] in x's dtype.
     """
     valid = src_slots >= 0
     heads = x.shape[1]
     rep = heads // B.shape[1]
     state = ssm_states[src_slots.clamp(min=0)].float()  # [B, H, P, N]
     xf, dtf = x.float(), process_dt(dt, dt_bias)
+    if dt_limit_hits is not None:
+        dt_limit_hits.masked_fill_(outside_dt_limit(dtf, dt_limit) & valid, 1)
     bh = B.float().repeat_interleave(rep, dim=1)  # [B, H, N]
     ch = C.float().repeat_interleave(rep, dim=1)
     decay = torch.exp(dtf * A.float())[..., None, None]
@@ -185,8 +205,10 @@ def ssm_state_verify(
     src_slots: torch.Tensor,
     dst_slots: torch.Tensor,
     dt_bias: torch.Tensor | None = None,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    dt_limit_hits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """W tokens per row, position by position through `ssm_state_update`, the state after
     position j written to dst_slots[j] (see `causal_conv1d_verify`)."""
     return torch.stack(run_verify_positions(src_slots, dst_slots, lambda j, src, dst: ssm_state_update(
-        ssm_states, x[:, j], dt[:, j], A, B[:, j], C[:, j], D, src, dst, dt_bias)), dim=1)
+        ssm_states, x[:, j], dt[:, j], A, B[:, j], C[:, j], D, src, dst, dt_bias, dt_limit, dt_limit_hits)), dim=1)

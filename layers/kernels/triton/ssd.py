@@ -38,15 +38,16 @@ NUM_WARPS = 4
 # rows' slots, prompt mask and dt), whose 16-byte alignment can change from step to step: no
 # recompiles while serving (each new combination cost a ~1 s compile mid-run). x, B and C
 # come from the conv's fresh output, so their alignment is fixed.
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "src_ptr", "dst_ptr", "limit_mask_ptr", "dt_ptr"])
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "src_ptr", "dst_ptr", "limit_mask_ptr", "dt_ptr", "hits_ptr"])
 def _ssd_varlen_kernel(
     x_ptr, dt_ptr, dt_bias_ptr, limit_mask_ptr, a_ptr, b_ptr, c_ptr, d_ptr, cu_ptr, states_ptr, src_ptr, dst_ptr,
-    y_ptr, save_cu_ptr, save_offset_ptr, save_slot_ptr, num_seqs, num_tokens, head_dim, state_size, heads_per_group,
+    y_ptr, save_cu_ptr, save_offset_ptr, save_slot_ptr, hits_ptr, num_seqs, num_tokens, head_dim, state_size,
+    heads_per_group,
     dt_min, dt_max, stride_xt, stride_xh, stride_dtt, stride_bt, stride_bg, stride_ct, stride_cg,
     stride_ss, stride_sh, stride_sp, stride_yt, stride_yh,
     CHUNK: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr, HAS_LIMIT_MASK: tl.constexpr, HAS_SAVES: tl.constexpr,
-    PDL: tl.constexpr,
+    CHECK_DT_LIMIT: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
@@ -98,6 +99,10 @@ def _ssd_varlen_kernel(
             limited = t_in
             if HAS_LIMIT_MASK:
                 limited = tl.load(limit_mask_ptr + t, mask=t_in, other=0) != 0
+                if CHECK_DT_LIMIT:  # an unclamped (generated) token the limit would have changed
+                    outside = t_in & (~limited) & ((dt < dt_min) | (dt > dt_max))
+                    if valid & (tl.max(outside.to(tl.int32), axis=0) > 0):
+                        tl.store(hits_ptr + last, 1)
             dt = tl.where(limited, tl.minimum(tl.maximum(dt, dt_min), dt_max), dt)
         dt = tl.where(t_in, dt, 0.0)
         da = dt * a  # tokens past the end have dt 0: no decay, no input
@@ -153,6 +158,7 @@ def ssd_chunk_scan_varlen(
     dt_limit: tuple[float, float] = (0.0, math.inf),
     dt_limit_mask: torch.Tensor | None = None,
     saves: StateSaves | None = None,
+    dt_limit_hits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Chunked SSD over packed variable-length sequences (prefill chunks).
 
@@ -160,7 +166,9 @@ def ssd_chunk_scan_varlen(
     `KernelOps.ssd_chunk_scan_varlen`); A, D: [H]; B, C: [T, G, N]; cu_seqlens: [S+1];
     ssm_states: [slots, H, P, N] float32, read at src_slots[s] and written at
     dst_slots[s]; `saves` (`StateSaves`): states also written from inside the sequences,
-    where a block is cut short. Returns y: [T, H, P] in x's dtype (D skip included); rows of
+    where a block is cut short; `dt_limit_hits` [S] int32: set to 1 for a sequence with a
+    token outside `dt_limit_mask` whose dt lies outside `dt_limit` (checked only with a
+    mask and a limit that clamps). Returns y: [T, H, P] in x's dtype (D skip included); rows of
     padding sequences (src -1) and tokens past cu_seqlens[-1] are zeros.
 
     A sequence's dst slot must not be another sequence's src slot (each request owns its
@@ -190,12 +198,12 @@ def ssd_chunk_scan_varlen(
     _ssd_varlen_kernel[grid](
         x, dt, dt_bias if dt_bias is not None else A, dt_limit_mask if dt_limit_mask is not None else dt,
         A, B, C, D, cu_seqlens, ssm_states, src_slots, dst_slots, y, *(saves if saves is not None else (y, y, y)),
-        num_seqs, num_tokens, head_dim, state_size, heads // groups, float(dt_min), float(dt_max),
+        dt_limit_hits if dt_limit_hits is not None else y, num_seqs, num_tokens, head_dim, state_size, heads // groups, float(dt_min), float(dt_max),
         x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
         ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), y.stride(0), y.stride(1),
         CHUNK=CHUNK, BP=block_p, BN=max(16, triton.next_power_of_2(state_size)),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS,
         HAS_DT_BIAS=dt_bias is not None, HAS_DT_LIMIT=clamps_dt(dt_limit), HAS_LIMIT_MASK=dt_limit_mask is not None,
-        HAS_SAVES=saves is not None, **pdl(x),
+        HAS_SAVES=saves is not None, CHECK_DT_LIMIT=dt_limit_hits is not None, **pdl(x),
     )
     return y

@@ -5,6 +5,8 @@ are padding, no host sync and no data-dependent shapes, so it captures in a CUDA
 The op is bound by reading and writing the float32 state ([H, P, N] per row), so the grid
 splits every (row, head) over blocks of head channels to keep enough loads in flight.
 """
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -25,15 +27,15 @@ def softplus(x):
 
 @triton.jit
 def _ssm_update_kernel(
-    state_ptr, x_ptr, dt_ptr, dt_bias_ptr, a_ptr, b_ptr, c_ptr, d_ptr, y_ptr, src_ptr, dst_ptr,
-    head_dim, state_size, heads_per_group,
+    state_ptr, x_ptr, dt_ptr, dt_bias_ptr, a_ptr, b_ptr, c_ptr, d_ptr, y_ptr, src_ptr, dst_ptr, hits_ptr,
+    head_dim, state_size, heads_per_group, dt_min, dt_max,
     stride_slot, stride_sh, stride_sp, stride_sn,
     stride_xb, stride_xh, stride_xp,
     stride_dtb, stride_dth,
     stride_bb, stride_bg, stride_bn,
     stride_cb, stride_cg, stride_cn,
     stride_yb, stride_yh, stride_yp,
-    BP: tl.constexpr, BN: tl.constexpr, HAS_DT_BIAS: tl.constexpr, PDL: tl.constexpr,
+    BP: tl.constexpr, BN: tl.constexpr, HAS_DT_BIAS: tl.constexpr, CHECK_DT_LIMIT: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
@@ -56,6 +58,9 @@ def _ssm_update_kernel(
     dt = tl.load(dt_ptr + row * stride_dtb + head * stride_dth).to(tl.float32)
     if HAS_DT_BIAS:  # raw dt: softplus(dt + dt_bias) here, saving the separate elementwise kernels
         dt = softplus(dt + tl.load(dt_bias_ptr + head).to(tl.float32))
+    if CHECK_DT_LIMIT:
+        if (dt < dt_min) | (dt > dt_max):  # every program of the row stores the same 1
+            tl.store(hits_ptr + row, 1)
     a = tl.load(a_ptr + head).to(tl.float32)
     b = tl.load(b_ptr + row * stride_bb + group * stride_bg + n * stride_bn, mask=n_in, other=0.0).to(tl.float32)
     c = tl.load(c_ptr + row * stride_cb + group * stride_cg + n * stride_cn, mask=n_in, other=0.0).to(tl.float32)
@@ -77,6 +82,8 @@ def ssm_state_update(
     src_slots: torch.Tensor,
     dst_slots: torch.Tensor,
     dt_bias: torch.Tensor | None = None,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    dt_limit_hits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode token per row: read the state at src slot, write the new state at dst slot.
 
@@ -84,7 +91,9 @@ def ssm_state_update(
     softplus(dt + dt_bias) is applied here); A, D: [H]; B, C: [B, G, N];
     ssm_states: [slots, H, P, N]. Rows with src slot -1 are padding (output zeros, no state
     read or written). A row's dst slot must not be another row's src slot (each row owns
-    its slots; src == dst of the same row is fine). Returns y: [B, H, P] in x's dtype.
+    its slots; src == dst of the same row is fine). `dt_limit` is checked, not applied:
+    a row with a dt outside it sets its `dt_limit_hits` [B] int32 entry to 1.
+    Returns y: [B, H, P] in x's dtype.
     """
     batch, heads, head_dim = x.shape
     state_size = ssm_states.shape[-1]
@@ -95,9 +104,10 @@ def ssm_state_update(
     grid = (batch, heads, triton.cdiv(head_dim, bp))
     _ssm_update_kernel[grid](
         ssm_states, x, dt, dt if dt_bias is None else dt_bias, A, B, C, D, y, src_slots, dst_slots,
-        head_dim, state_size, heads // B.shape[1],
+        src_slots if dt_limit_hits is None else dt_limit_hits, head_dim, state_size, heads // B.shape[1], *dt_limit,
         *ssm_states.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *y.stride(),
-        BP=bp, BN=triton.next_power_of_2(state_size), HAS_DT_BIAS=dt_bias is not None, num_warps=4,
+        BP=bp, BN=triton.next_power_of_2(state_size), HAS_DT_BIAS=dt_bias is not None,
+        CHECK_DT_LIMIT=dt_limit_hits is not None, num_warps=4,
         # No FMA contraction: the verify and single-token kernels then round alike, bit for bit.
         enable_fp_fusion=False, **pdl(x),
     )
@@ -106,8 +116,8 @@ def ssm_state_update(
 
 @triton.jit
 def _ssm_verify_kernel(
-    state_ptr, x_ptr, dt_ptr, dt_bias_ptr, a_ptr, b_ptr, c_ptr, d_ptr, y_ptr, src_ptr, dst_ptr,
-    width, head_dim, state_size, heads_per_group,
+    state_ptr, x_ptr, dt_ptr, dt_bias_ptr, a_ptr, b_ptr, c_ptr, d_ptr, y_ptr, src_ptr, dst_ptr, hits_ptr,
+    width, head_dim, state_size, heads_per_group, dt_min, dt_max,
     stride_slot, stride_sh, stride_sp, stride_sn,
     stride_xb, stride_xw, stride_xh, stride_xp,
     stride_dtb, stride_dtw, stride_dth,
@@ -115,7 +125,7 @@ def _ssm_verify_kernel(
     stride_cb, stride_cw, stride_cg, stride_cn,
     stride_yb, stride_yw, stride_yh, stride_yp,
     stride_dst_w,
-    BP: tl.constexpr, BN: tl.constexpr, HAS_DT_BIAS: tl.constexpr, PDL: tl.constexpr,
+    BP: tl.constexpr, BN: tl.constexpr, HAS_DT_BIAS: tl.constexpr, CHECK_DT_LIMIT: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     # The single-token update of `_ssm_update_kernel`, applied to `width` positions with the
@@ -132,6 +142,7 @@ def _ssm_verify_kernel(
     tile_in = p_in[:, None] & n_in[None, :]
     # Row flags are kept as [BP] vectors (p * 0 + scalar): masks stay vector-shaped.
     live = (p * 0 + src) >= 0
+    row_live = src >= 0  # the same as a scalar (the dt limit check's condition)
     state = tl.load(state_ptr + tl.maximum(src, 0).to(tl.int64) * stride_slot + tile,
                     mask=tile_in & live[:, None], other=0.0).to(tl.float32)
     a = tl.load(a_ptr + head).to(tl.float32)
@@ -139,11 +150,15 @@ def _ssm_verify_kernel(
     for j in range(width):
         dst = tl.load(dst_ptr + j * stride_dst_w + row)
         live = live & ((p * 0 + dst) >= 0)  # a padding position ends the row
+        row_live = row_live & (dst >= 0)
         x = tl.load(x_ptr + row * stride_xb + j * stride_xw + head * stride_xh + p * stride_xp, mask=p_in & live,
                     other=0.0).to(tl.float32)
         dt = tl.load(dt_ptr + row * stride_dtb + j * stride_dtw + head * stride_dth).to(tl.float32)
         if HAS_DT_BIAS:
             dt = softplus(dt + tl.load(dt_bias_ptr + head).to(tl.float32))
+        if CHECK_DT_LIMIT:
+            if row_live & ((dt < dt_min) | (dt > dt_max)):
+                tl.store(hits_ptr + row, 1)
         b = tl.load(b_ptr + row * stride_bb + j * stride_bw + group * stride_bg + n * stride_bn, mask=n_in,
                     other=0.0).to(tl.float32)
         c = tl.load(c_ptr + row * stride_cb + j * stride_cw + group * stride_cg + n * stride_cn, mask=n_in,
@@ -172,11 +187,14 @@ def ssm_state_verify(
     src_slots: torch.Tensor,
     dst_slots: torch.Tensor,
     dt_bias: torch.Tensor | None = None,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    dt_limit_hits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Verify rows: `width` tokens per row through the single-token update, one kernel: the
     state is read once from the row's src slot and written after every position j to
     dst_slots[j] ([W, B], -1: padding position, output zeros). x: [B, W, H, P]; dt:
-    [B, W, H] (raw with `dt_bias`); B, C: [B, W, G, N]. Returns y: [B, W, H, P]."""
+    [B, W, H] (raw with `dt_bias`); B, C: [B, W, G, N]; `dt_limit` / `dt_limit_hits` as in
+    `ssm_state_update`, over the live positions. Returns y: [B, W, H, P]."""
     batch, width, heads, head_dim = x.shape
     state_size = ssm_states.shape[-1]
     y = torch.empty((batch, width, heads, head_dim), dtype=x.dtype, device=x.device)
@@ -186,9 +204,11 @@ def ssm_state_verify(
     grid = (batch, heads, triton.cdiv(head_dim, bp))
     _ssm_verify_kernel[grid](
         ssm_states, x, dt, dt if dt_bias is None else dt_bias, A, B, C, D, y, src_slots, dst_slots,
-        width, head_dim, state_size, heads // B.shape[2],
+        src_slots if dt_limit_hits is None else dt_limit_hits, width, head_dim, state_size, heads // B.shape[2],
+        *dt_limit,
         *ssm_states.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *y.stride(), dst_slots.stride(0),
-        BP=bp, BN=triton.next_power_of_2(state_size), HAS_DT_BIAS=dt_bias is not None, num_warps=4,
+        BP=bp, BN=triton.next_power_of_2(state_size), HAS_DT_BIAS=dt_bias is not None,
+        CHECK_DT_LIMIT=dt_limit_hits is not None, num_warps=4,
         # No FMA contraction: the verify and single-token kernels then round alike, bit for bit.
         enable_fp_fusion=False, **pdl(x),
     )
