@@ -667,8 +667,10 @@ class LLMEngine:
         (each takes one row and its ring of state copies). Prefix caching:
         `prefix_cache_queries` (tokens looked up at admission: the prompt, plus the tokens
         generated before an eviction for a recomputed request), `prefix_cache_hits` (of
-        those, tokens resumed from the cache), `prefix_cache_checkpoints` (state
-        checkpoints held), `cached_kv_blocks` (blocks only the cache holds; counted free)."""
+        those, tokens resumed from the cache), `prefix_cache_dt_limited_requests` (requests
+        whose generated tokens the cache did not take, from the first one with a dt outside
+        the model's prompt-only limit: docs/cache.md, "Exactness"), `prefix_cache_checkpoints`
+        (state checkpoints held), `cached_kv_blocks` (blocks only the cache holds; counted free)."""
         s = self.scheduler
         return {
             **self._counters,
@@ -684,6 +686,7 @@ class LLMEngine:
             "total_mamba_slots": self.mamba.max_num_seqs,
             "prefix_cache_queries": s.num_cache_queries,
             "prefix_cache_hits": s.num_cache_hits,
+            "prefix_cache_dt_limited_requests": s.num_dt_limited,
             "prefix_cache_checkpoints": 0 if self.prefix_cache is None else self.prefix_cache.num_checkpoints,
             "cached_kv_blocks": self.kv.num_cached,
         }

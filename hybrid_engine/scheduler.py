@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 from cache.kv_cache import KVBlockAllocator
 from cache.mamba_cache import MambaStateAllocator
-from cache.prefix_cache import PendingSave, PrefixCache, PrefixHit
+from cache.prefix_cache import NEVER, PendingSave, PrefixCache, PrefixHit
 from hybrid_engine.request import Request, RequestStatus
 from hybrid_engine.spec.drafter import Drafter, DraftRow
 
@@ -150,6 +150,7 @@ class Scheduler:
         self.num_evictions = 0
         self.num_cache_queries = 0  # tokens looked up in the prefix cache at admission
         self.num_cache_hits = 0  # of those, tokens resumed from the cache (not computed)
+        self.num_dt_limited = 0  # requests whose generated content the cache may not take (`cache_limit`)
 
     @property
     def paused(self) -> list[Request]:
@@ -397,6 +398,7 @@ class Scheduler:
                 self._release_if_idle(request)
                 continue
             if dt_limit_hits is not None and dt_limit_hits[i]:
+                self.num_dt_limited += request.cache_limit == NEVER
                 request.cache_limit = min(request.cache_limit, max(chunk.start, len(request.prompt_token_ids)))
             if chunk.drafts:
                 self._retire_verify_row(chunk, verified[i], result)

@@ -45,8 +45,8 @@ class StepSamples:
     token_ids: list[int]
     logprobs: list[list[tuple[int, float]]] | None  # (token id, logprob): sampled first, then top-n
     verified: list[VerifiedRow] | None = None  # per decode row, when the step verifies drafts
-    # Per scheduled sequence, when the runner checks the dt limit: whether a generated
-    # token of the row had a dt the prompt-only limit would have clamped.
+    # Per scheduled sequence, when the runner checks the dt limit and a row was flagged:
+    # whether a generated token of the row had a dt the prompt-only limit would have clamped.
     dt_limit_hits: list[bool] | None = None
 
 
@@ -80,7 +80,9 @@ class StepHandle:
                 logprobs = [list(zip(map(int, r[1 + k:1 + 2 * k]), r[1:1 + k])) for r in rows]
             samples = StepSamples(tokens, logprobs)
         if self._host_hits is not None:
-            samples.dt_limit_hits = [hit != 0 for hit in self._host_hits[: len(self.chunks)].tolist()]
+            hits = self._host_hits[: len(self.chunks)].numpy()
+            if hits.any():  # (else None: nothing for the bookkeeping to do)
+                samples.dt_limit_hits = (hits != 0).tolist()
         return samples
 
     def _verified_samples(self, rows: list[list[float]]) -> StepSamples:

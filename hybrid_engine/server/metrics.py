@@ -32,6 +32,8 @@ _STAT_COUNTERS = {
     "spec_accepted_tokens": ("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted."),
     "prefix_cache_queries": ("prefix_cache_queries", "Tokens looked up in the prefix cache at admission."),
     "prefix_cache_hits": ("prefix_cache_hits", "Looked-up tokens resumed from the prefix cache, not computed."),
+    "prefix_cache_dt_limited_requests": ("prefix_cache_dt_limited_requests", "Requests whose generated tokens the "
+                                         "prefix cache did not take: a dt outside the prompt-only limit."),
 }
 _STAT_GAUGES = {
     "running": ("num_requests_running", "Requests in the running batch."),

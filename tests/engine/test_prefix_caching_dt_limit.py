@@ -64,7 +64,9 @@ def test_multi_turn_resumes_at_the_previous_prompt_and_stays_exact(checkpoint, n
     assert_matches_hf_generate(hf, cached)
     hits = previous_prompt_hits(cached)
     assert all(served == prompt for served, prompt in hits), hits
-    assert engine.stats()["prefix_cache_hits"] == sum(served for served, _ in hits)
+    stats = engine.stats()
+    assert stats["prefix_cache_hits"] == sum(served for served, _ in hits)
+    assert stats["prefix_cache_dt_limited_requests"] == sum(map(len, cached.turns))  # every answer binds
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
