@@ -549,7 +549,9 @@ class LLMEngine:
 
     def _retire(self, handle: StepHandle, samples: StepSamples) -> RetiredStep:
         """Hand a step's samples (`handle.wait()`) to the scheduler's bookkeeping."""
-        hits = [True] * len(handle.chunks) if self._assume_dt_limit_hits else samples.dt_limit_hits
+        hits = samples.dt_limit_hits
+        if self._assume_dt_limit_hits:  # (tensor parallel: every row that computed a generated token)
+            hits = [c.start + c.num_tokens > len(c.request.prompt_token_ids) for c in handle.chunks]
         retired = self.scheduler.retire(handle.chunks, handle.valid, samples.token_ids, samples.logprobs,
                                         samples.verified, hits)
         self._unretired.remove(handle.sched)

@@ -95,17 +95,17 @@ def test_nothing_past_a_requests_cache_limit_is_cached():
     registered and no finish checkpoint is taken; the prompt's checkpoints stay."""
     kv, mamba, cache = make()
     prompt = list(range(10, 21))  # 11 tokens: checkpoints at 8 (interval) and 11 (prompt end)
-    answer = [50, 51, 52, 53, 54, 55]  # blocks of 4: tokens [12, 16) fill the 4th block
+    answer = [50, 51, 52, 53, 54]  # computed through 15, in the 4th block of 4 like the limit
     run_request(kv, mamba, cache, prompt + answer, prompt_len=11, cache_limit=13)
     # The 3 full blocks below 13, and the prompt-end checkpoint's copy of its partial block.
     assert cache.num_checkpoints == 2 and kv.num_cached == 3 + 1
     hit = cache.acquire(prompt + answer + [1])
     assert hit.position == 11
     cache.cancel(hit)
-    # The same tokens with no limit: the 4th block is registered and the finish checkpoint
-    # (block aligned: no copy) taken, so a later request resumes past the answer.
+    # The same tokens with no limit: a finish checkpoint at 15 (with its partial block), so
+    # a later request resumes past the answer.
     run_request(kv, mamba, cache, prompt + answer, prompt_len=11)
-    assert cache.num_checkpoints == 3 and kv.num_cached == 4 + 1
+    assert cache.num_checkpoints == 3 and kv.num_cached == 3 + 2
     hit = cache.acquire(prompt + answer + [1])
     assert hit.position == len(prompt + answer) - 1
     cache.cancel(hit)

@@ -77,11 +77,14 @@ def test_ssm_state_verify_checks_the_dt_limit():
     c = torch.randn(ROWS, WIDTH, GROUPS, STATE, device="cuda")
     a, d, dt_bias = -torch.rand(HEADS, device="cuda"), torch.randn(HEADS, device="cuda"), torch.randn(HEADS, device="cuda")
     pool = torch.randn(SLOTS, HEADS, HEAD_DIM, STATE, device="cuda")
+    limit = (float(torch.nn.functional.softplus(dt[0, 2] + dt_bias).min()) + 1e-3, 100.0)  # row 0 leaves it
+    dt[1, :2] = 20.0 - dt_bias  # row 1's live positions inside the limit (softplus ~ 20) ...
+    dt[1, 2:] = 1000.0  # ... its padding positions and the padding row 3 far outside: never looked at
+    dt[3] = 1000.0
     softplus = torch.nn.functional.softplus(dt + dt_bias)
-    limit = (float(softplus[0, 2].min()) + 1e-3, 100.0)  # row 0 leaves it at position 2 (or before)
     live = torch.stack([(dst[j] >= 0) & (src >= 0) for j in range(WIDTH)], dim=1)  # [rows, width]
     expected = (((softplus < limit[0]) | (softplus > limit[1])).any(-1) & live).any(-1).int()
-    assert expected[0] == 1 and expected[3] == 0
+    assert expected[0] == 1 and expected[1] == 0 and expected[3] == 0
     hits = [torch.zeros(ROWS, dtype=torch.int32, device="cuda") for _ in range(3)]
     y = triton_ssm.ssm_state_verify(pool.clone(), x, dt, a, b, c, d, src, dst, dt_bias, limit, hits[0])
     chained = pool.clone()

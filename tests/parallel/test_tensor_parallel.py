@@ -132,6 +132,26 @@ def test_granite_two_ranks_speculative_and_prefix_cache_match_hf(granite):
     assert [o.output_token_ids for o in cached] == [o.output_token_ids for o in fresh]
 
 
+def test_nemotron_next_turn_resumes_at_the_previous_prompt_under_tensor_parallel(nemotron):
+    """Where the prompt-only dt limit can bind, no rank sees every head's dt, so the driver
+    keeps every request's generated tokens out of the prefix cache: the next turn resumes
+    at the previous prompt's end, and its tokens equal an uncached single-rank run's."""
+    llm = _llm(nemotron.path, 2)
+    try:
+        first = _generate(llm, nemotron.prompts)
+        nemotron.check(first)
+        turns = [p + o.output_token_ids + [7, 8, 9] for p, o in zip(nemotron.prompts, first)]
+        cached = _generate(llm, turns)
+        stats = llm.engine.stats()
+    finally:
+        llm.shutdown()
+    assert [o.num_cached_tokens for o in cached] == [len(p) for p in nemotron.prompts]
+    assert stats["prefix_cache_dt_limited_requests"] == 2 * len(turns)
+    single = LLM(model=nemotron.path, device="cpu", dtype="float32", kv_block_size=4, enable_prefix_caching=False)
+    fresh = _generate(single, turns)
+    assert [o.output_token_ids for o in cached] == [o.output_token_ids for o in fresh]
+
+
 def test_draft_model_under_tensor_parallel(nemotron):
     """The draft engine is sharded too (it follows its own steps on the workers): the
     checkpoint drafting for itself is accepted and the output is HF's."""

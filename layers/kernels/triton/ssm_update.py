@@ -104,7 +104,7 @@ def ssm_state_update(
     grid = (batch, heads, triton.cdiv(head_dim, bp))
     _ssm_update_kernel[grid](
         ssm_states, x, dt, dt if dt_bias is None else dt_bias, A, B, C, D, y, src_slots, dst_slots,
-        src_slots if dt_limit_hits is None else dt_limit_hits, head_dim, state_size, heads // B.shape[1], *dt_limit,
+        src_slots if dt_limit_hits is None else dt_limit_hits, head_dim, state_size, heads // B.shape[1], *map(float, dt_limit),
         *ssm_states.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *y.stride(),
         BP=bp, BN=triton.next_power_of_2(state_size), HAS_DT_BIAS=dt_bias is not None,
         CHECK_DT_LIMIT=dt_limit_hits is not None, num_warps=4,
@@ -205,7 +205,7 @@ def ssm_state_verify(
     _ssm_verify_kernel[grid](
         ssm_states, x, dt, dt if dt_bias is None else dt_bias, A, B, C, D, y, src_slots, dst_slots,
         src_slots if dt_limit_hits is None else dt_limit_hits, width, head_dim, state_size, heads // B.shape[2],
-        *dt_limit,
+        *map(float, dt_limit),
         *ssm_states.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *y.stride(), dst_slots.stride(0),
         BP=bp, BN=triton.next_power_of_2(state_size), HAS_DT_BIAS=dt_bias is not None,
         CHECK_DT_LIMIT=dt_limit_hits is not None, num_warps=4,
