@@ -18,7 +18,9 @@ fed). `system_prompt_hit_rate` is turn 1's share of the system prompt served fro
 conversations' blocks (a bonus). `ttft_turn1_p50_ms` / `ttft_later_p50_ms` split the TTFT
 p50 by turn, and `largest_first_token_group` is the most turns >= 2 whose first tokens came
 back in one step (such a group arrives together at its next turn). `engine_hit_rate` is the engine's prefix_cache_hits /
-prefix_cache_queries over the run.
+prefix_cache_queries over the run. `dt_limited_requests`: requests whose generated tokens the
+cache did not take, since one had a Mamba dt outside the model's prompt-only limit (the next
+turn then prefills that answer again; docs/cache.md, "Exactness").
 
 No-reuse: `--random-requests` random prompts of `--random-len` tokens, all submitted at
 once, `--answer-len` tokens each: output tok/s with caching on vs off (the cost of
@@ -55,7 +57,8 @@ MODES = {"on": True, "off": False}
 WORKLOADS = ("multi-turn", "no-reuse")
 MEDIAN_KEY = {"multi-turn": "ttft_p50_ms", "no-reuse": "output_tok_s"}  # which run of several is reported
 # Engine stats that count events; `prefix_cache_checkpoints` (held now) is reported as is.
-COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "prefill_tokens", "pauses", "evictions")
+COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_dt_limited_requests", "prefill_tokens",
+            "pauses", "evictions")
 TARGETS = dict(ttft_p50_ratio=0.2, hit_rate_reusable=0.9, no_reuse_tok_s_ratio=0.98)
 
 
@@ -199,6 +202,7 @@ def summarize(records: list[TurnRecord], wall: float, stats: dict, system_len: i
                                 if system_len else None),
         prefix_cache_hits=stats["prefix_cache_hits"], prefix_cache_queries=queries,
         engine_hit_rate=stats["prefix_cache_hits"] / queries if queries else None,
+        dt_limited_requests=stats["prefix_cache_dt_limited_requests"],
         prefill_tokens=stats["prefill_tokens"], pauses=stats["pauses"], evictions=stats["evictions"],
         checkpoints_held=stats["prefix_cache_checkpoints"])
 
@@ -249,7 +253,8 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, dict]:
                   f"(p50 turn 1 / later {milliseconds(r['ttft_turn1_p50_ms'])} / {milliseconds(r['ttft_later_p50_ms'])}, "
                   f"largest first-token group {r['largest_first_token_group'] or '-'})  "
                   f"total {r['total_s']:.2f} s  {r['output_tok_s']:.0f} tok/s  hits/queries {r['prefix_cache_hits']}/"
-                  f"{r['prefix_cache_queries']}  prefill {r['prefill_tokens']} tokens  pauses {r['pauses']}  "
+                  f"{r['prefix_cache_queries']}  answers not cached (dt limit) {r['dt_limited_requests']}/"
+                  f"{r['requests']}  prefill {r['prefill_tokens']} tokens  pauses {r['pauses']}  "
                   f"evictions {r['evictions']}", flush=True)
     # The median run by each workload's headline number (host jitter moves single runs).
     rows = {name: sorted(runs[name], key=lambda r: r[MEDIAN_KEY[name]])[args.repeats // 2] for name in WORKLOADS}

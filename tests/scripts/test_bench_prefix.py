@@ -78,8 +78,10 @@ def test_caching_on_hits_and_off_does_not(report):
     assert multi["prefix_cache_queries"] == multi["prompt_tokens"]
     assert 0 < multi["hit_rate_reusable"] <= 1 and result["ratios"]["hit_rate_reusable"] == multi["hit_rate_reusable"]
     assert on["no-reuse"]["prefix_cache_hits"] == 0  # fresh random prompts: nothing from warm-up or multi-turn
+    assert 0 <= multi["dt_limited_requests"] <= multi["requests"]
     for row in off.values():
         assert row["cached_tokens"] == 0 and row["prefix_cache_hits"] == 0 and row["checkpoints_held"] == 0
+        assert row["dt_limited_requests"] == 0  # (only a cache checks the dt limit)
 
 
 def test_turn_split_and_first_token_groups(report):
