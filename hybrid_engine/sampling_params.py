@@ -6,6 +6,7 @@ checks it, and the HTTP server builds its request schema from it, so the library
 server accept exactly the same values.
 """
 import math
+import numbers
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -110,8 +111,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not (value is None and name in _NULLABLE):
                 setattr(self, name, check_value(name, value, valid))
-        # Lists are copied: a caller's later edits of its own list never reach a request.
-        if isinstance(self.stop, (str, list)):
+        # Lists (or tuples) are copied: a caller's later edits of its own list never reach a request.
+        if isinstance(self.stop, (str, list, tuple)):
             self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if self.stop is not None:
             if not (isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop)):
@@ -122,12 +123,13 @@ class SamplingParams:
             for text in self.stop:  # (one that is not text could never match the output)
                 check_unicode(text, "stop")
         if self.stop_token_ids is not None and not (
-            isinstance(self.stop_token_ids, list) and all(is_int(t) and t >= 0 for t in self.stop_token_ids)
+            isinstance(self.stop_token_ids, (list, tuple))
+            and all(_is_integer(t) and t >= 0 for t in self.stop_token_ids)
         ):
             raise ParameterError("stop_token_ids", f"stop_token_ids must be a list of non-negative ints, "
                                                    f"got {self.stop_token_ids!r}")
         if self.stop_token_ids is not None:
-            self.stop_token_ids = list(self.stop_token_ids)
+            self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ParameterError(name, f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -151,15 +153,23 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_integer(value: Any) -> bool:
+    """A Python or NumPy integer that is not a bool (a library caller's values may come
+    from NumPy; JSON's never do, see `is_int`)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def check_value(name: str, value: Any, valid: Range) -> int | float:
-    """`value` as field `name` stores it (ints stay ints, floats become float), or a
-    ParameterError naming `name` if it has the wrong type, is not finite, or is out of `valid`."""
+    """`value` as field `name` stores it (a Python int for an integer field, a float for a
+    number field; NumPy scalars are taken and converted), or a ParameterError naming `name`
+    if it has the wrong type, is not finite, or is out of `valid`."""
     if valid.kind is int:
-        if not is_int(value):
+        if not _is_integer(value):
             raise ParameterError(name, f"{name} must be an integer, got {value!r}")
-    elif isinstance(value, bool) or not isinstance(value, (int, float)):
+        value = int(value)
+    elif isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ParameterError(name, f"{name} must be a number, got {value!r}")
-    elif isinstance(value, float) and not math.isfinite(value):
+    elif not isinstance(value, numbers.Integral) and not math.isfinite(value):
         raise ParameterError(name, f"{name} must be a finite number, got {value!r}")
     # Compared before any float() conversion: a huge int must fail here, not overflow.
     if value not in valid:

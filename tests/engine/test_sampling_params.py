@@ -2,6 +2,7 @@
 checks of `hybrid_engine.prompts`, and `LLMEngine.add_request` (ValueError naming the field,
 nothing changed, engine keeps serving); then the sampling knobs end to end: penalties / top-k /
 top-p / min-p change outputs, stay deterministic with a seed, and are batch-independent."""
+import numpy as np
 import pytest
 
 from hybrid_engine import SamplingParams
@@ -90,6 +91,22 @@ def test_values_are_normalised():
     p = SamplingParams(temperature=2, top_p=1, repetition_penalty=300, stop="x")
     assert (p.temperature, p.top_p, p.repetition_penalty, p.stop) == (2.0, 1.0, 300.0, ["x"])
     assert all(type(v) is float for v in (p.temperature, p.top_p, p.repetition_penalty))
+
+
+def test_numpy_scalars_and_tuples_are_taken_as_python_values():
+    """A library caller's NumPy numbers and tuples work, stored as Python ints, floats and
+    lists; NumPy bools, non-finite floats and out-of-range values are still refused."""
+    p = SamplingParams(max_tokens=np.int64(3), temperature=np.float32(0.5), top_k=np.int32(4), seed=np.uint64(7),
+                       stop=("a", "b"), stop_token_ids=(np.int64(5), 6))
+    assert (p.max_tokens, p.temperature, p.top_k, p.seed, p.stop, p.stop_token_ids) == (3, 0.5, 4, 7, ["a", "b"],
+                                                                                         [5, 6])
+    assert [type(v) for v in (p.max_tokens, p.temperature, p.top_k, p.seed)] == [int, float, int, int]
+    assert all(type(t) is int for t in p.stop_token_ids)
+    for bad, field in (({"max_tokens": np.bool_(True)}, "max_tokens"), ({"max_tokens": np.float64(3.0)}, "max_tokens"),
+                       ({"temperature": np.float32("inf")}, "temperature"), ({"top_p": np.float64(2.0)}, "top_p"),
+                       ({"stop_token_ids": (np.int64(-1),)}, "stop_token_ids"), ({"stop": ("a", 1)}, "stop")):
+        with pytest.raises(ParameterError, match=field):
+            SamplingParams(**bad)
 
 
 # ---- model-dependent checks (hybrid_engine.prompts) -------------------------------------
