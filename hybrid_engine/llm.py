@@ -71,8 +71,8 @@ class LLM:
         if self.engine.has_unfinished_requests():
             raise RuntimeError("generate() needs the engine to itself: it has unfinished requests (added through "
                                "llm.engine); step or abort them first")
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt: a text or its token ids (a list, or a tuple as inside a list)
         if isinstance(prompts, (dict, bytes)) or not hasattr(prompts, "__iter__"):
             # (A dict would be iterated as its keys: vLLM's {"prompt": ...} must not become the prompt "prompt".)
             raise ValueError(f"prompts must be a text, a list of token ids, or a list of those; got "

@@ -32,6 +32,10 @@ def test_prompt_forms_agree(make_llm):
     list_str = llm.generate([text_a, text_b], p, use_tqdm=False)
     list_ids = llm.generate([ids_a, ids_b], p, use_tqdm=False)
     mixed = llm.generate([ids_b, text_a], p, use_tqdm=False)
+    (single_tuple,) = llm.generate(tuple(ids_a), p, use_tqdm=False)  # token ids as a tuple, alone or in a list
+    (listed_tuple,) = llm.generate([tuple(ids_a)], p, use_tqdm=False)
+    assert single_tuple.prompt_token_ids == listed_tuple.prompt_token_ids == ids_a
+    assert single_tuple.output_token_ids == listed_tuple.output_token_ids == single_str.output_token_ids
     assert single_str.prompt_token_ids == single_ids.prompt_token_ids == ids_a
     assert single_str.prompt == text_a and single_ids.prompt is None
     expect_a, expect_b = single_str.output_token_ids, list_str[1].output_token_ids
