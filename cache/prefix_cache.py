@@ -34,6 +34,11 @@ checkpoint at a chunk's end takes the request's committed state slot itself, wit
 stream order puts them after every launched step (whose writes they read) and before every
 later one.
 
+Nothing of a request at or past its `Request.cache_limit` is registered: there a generated
+token had a Mamba dt that a prefill of the same text (as a prompt) would have clamped, so
+what the request computed is not what an uncached request computes (docs/cache.md,
+"Exactness"; the scheduler also caps a recomputed request's lookup there).
+
 A hit (`acquire`) is the deepest checkpoint whose prefix the request's tokens match, at
 most `len(tokens) - 1` (the last token is always computed: it yields the first logits).
 The resumed request's first row reads the checkpoint's state in place (no copy).
