@@ -277,7 +277,8 @@ class LLMEngine:
         # cached only if no such dt was out of the limit. The draft engine (engine_id 1)
         # does not check: its cached states only shape drafts, which verification checks.
         # Under tensor parallelism each rank holds some heads only, so the driver assumes
-        # every row was out of the limit (only prompt content is cached).
+        # every row that computed a generated token was out of the limit (only prompt
+        # content is cached).
         checks = (self.prefix_cache is not None and engine_id == 0
                   and any(clamps_dt(m.dt_limit) for m in self.model.mamba_mixers()))
         self._assume_dt_limit_hits = checks and tp.world_size > 1

@@ -299,8 +299,7 @@ class Scheduler:
         not admitted after all). A recomputed request resumes no deeper than its
         `cache_limit`: past it, its own (generated, unclamped) tokens are not what a cached
         prompt (clamped) computed for the same text."""
-        tokens = request.prompt_token_ids + request.output_token_ids
-        hit = self.cache.acquire(tokens if request.cache_limit >= len(tokens) else tokens[: request.cache_limit + 1])
+        hit = self.cache.acquire((request.prompt_token_ids + request.output_token_ids)[: request.cache_limit + 1])
         if hit is not None:
             request.blocks = hit.blocks
             request.num_computed = request.num_scheduled = hit.position
