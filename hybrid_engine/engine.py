@@ -518,7 +518,7 @@ class LLMEngine:
             current = self._inflight = self._launch(sched, prev=None)
         ahead = self._launch_ahead(current) if self.config.async_scheduling else None
         self._gc.collect_in_slack()  # the device has `current` (and `ahead`) queued
-        retired = self._retire(current, current.wait())
+        retired = self._retire(current, self._samples(current))
         self._inflight = self._reconcile(ahead, retired) if ahead is not None else None
         return [self._emit(r) for r in retired.advanced]
 
@@ -548,8 +548,17 @@ class LLMEngine:
         self._counters["launch_ahead_steps"] += 1
         return self._launch(sched, prev=current)
 
+    def _samples(self, handle: StepHandle) -> StepSamples:
+        """Wait for a launched step's samples. Under tensor parallelism the group's health
+        is checked after the wait: the samples of a step that ran beside a dead rank are
+        garbage (parallel/group.py)."""
+        samples = handle.wait()
+        if self.group is not None:
+            self.group.check_workers()
+        return samples
+
     def _retire(self, handle: StepHandle, samples: StepSamples) -> RetiredStep:
-        """Hand a step's samples (`handle.wait()`) to the scheduler's bookkeeping."""
+        """Hand a step's samples (`_samples`) to the scheduler's bookkeeping."""
         hits = samples.dt_limit_hits
         if self._assume_dt_limit_hits:  # (tensor parallel: every row that computed a generated token)
             hits = [c.start + c.num_tokens > len(c.request.prompt_token_ids) for c in handle.chunks]
@@ -603,7 +612,7 @@ class LLMEngine:
             self._counters["rejected_launches"] += 1
         if not any(valid):
             following = self._launch_ahead(ahead)
-            self._retire(ahead, ahead.wait())
+            self._retire(ahead, self._samples(ahead))
             return following
         return ahead
 

@@ -10,6 +10,7 @@ serial eager); `--count-kernels` also counts the CUDA kernels of one eager decod
     python scripts/bench_decode.py --model preset:granite-4.0-h-tiny --batches 1 --modes async+graphs --graph-timeline
     python scripts/bench_decode.py --batches 32 128 --modes async+graphs --mamba-ssm-cache-dtype bfloat16
     python scripts/bench_decode.py --batches 1 32 --modes async+graphs --logprobs 1 --repetition-penalty 1.1
+    python scripts/bench_decode.py --model preset:nemotron-h-8b --batches 1 32 --modes async+graphs --tensor-parallel-size 2
 
 `--model peer` is a NemotronH config with the shapes of the Megatron-Core peer harness
 (../shared/peers/megatron): hidden 1024, pattern M*-M-M*-M-M*-M-M*-M-, relu2 MLP 4096,
@@ -46,6 +47,9 @@ charged its marginal time, how far its end lies past the latest end of everythin
 it, and idle gaps get a row of their own, so the charges add up to the profiled span and a
 kernel's wait for the one before it is not charged to it (graph_timeline.py). The table
 lists the kernels by that time per step.
+`--tensor-parallel-size N` shards the model over N GPUs (the engine starts N - 1 worker
+processes); the floors are then one rank's: its shard of the weights and of the cache
+state, which every rank reads at once.
 `--modes` with no value skips the timed runs. Prints tables; `--json` also writes the
 rows. Numbers and commands: docs/benchmarks.md.
 """
@@ -180,7 +184,8 @@ def time_modes(args: argparse.Namespace, model: str, bandwidth: float) -> list[d
     for mode in args.modes:
         llm = LLM(model=model, load_format="dummy", dtype="bfloat16", max_num_seqs=max(args.batches),
                   max_num_batched_tokens=args.max_num_batched_tokens, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
-                  max_model_len=args.prompt_len + max(args.output_len, PROBE_TOKENS) + 64, **MODES[mode])
+                  max_model_len=args.prompt_len + max(args.output_len, PROBE_TOKENS) + 64,
+                  tensor_parallel_size=args.tensor_parallel_size, **MODES[mode])
         for batch in args.batches:
             sampling = dict(logprobs=args.logprobs, repetition_penalty=args.repetition_penalty)
             run_batch(llm, batch, args.prompt_len, 4, **sampling)  # warm-up: Triton compiles / autotunes per shape
@@ -191,7 +196,8 @@ def time_modes(args: argparse.Namespace, model: str, bandwidth: float) -> list[d
                 distinct[batch] = measure_distinct_experts(llm, batch, args.prompt_len)
             floors = step_floors(llm.engine, batch, args.prompt_len + args.output_len // 2, distinct[batch])
             probe = probe_decode(llm, batch, args.prompt_len)
-            row = dict(mode=mode, batch=batch, mamba_ssm_cache_dtype=llm.engine.config.mamba_ssm_cache_dtype, **r,
+            row = dict(mode=mode, batch=batch, tensor_parallel_size=args.tensor_parallel_size,
+                       mamba_ssm_cache_dtype=llm.engine.config.mamba_ssm_cache_dtype, **r,
                        **probe, **floor_columns(floors, bandwidth, r["itl_p50_ms"]))
             rows.append(row)
             host = " ".join(f"{k}={probe[f'host_{k}_us']:.0f}" for k in StepProbe.PHASES)
@@ -215,6 +221,7 @@ def time_modes(args: argparse.Namespace, model: str, bandwidth: float) -> list[d
                                                         marginal_us=timeline.per_step(n.marginal_us),
                                                         busy_us=timeline.per_step(n.busy_us))
                                              for name, n in timeline.by_name.items()})
+        llm.shutdown()  # (stops tensor-parallel workers; frees nothing else)
         del llm
         gc.collect()  # the engine holds reference cycles: free its memory before the next one
         torch.cuda.empty_cache()
@@ -264,6 +271,8 @@ def main() -> None:
                     help="every request also returns this many top logprobs per token (default: none)")
     ap.add_argument("--repetition-penalty", type=float, default=1.0,
                     help="every request's repetition penalty (default 1.0: none)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="GPUs to shard the model over (default 1); floors are per rank")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per row; the median run is reported")
     ap.add_argument("--hf-batch", type=int, default=0,
                     help="also time HF transformers generate at this batch (0: skip)")
@@ -281,7 +290,8 @@ def main() -> None:
         rows.append(dict(mode="HF transformers generate", batch=args.hf_batch, **r))
         print(f"HF generate    B={args.hf_batch:4d} {r['tok_s']:9.0f} tok/s  mean step {r['itl_mean_ms']:.2f} ms", flush=True)
     if rows:
-        print(f"\nmodel {args.model}, prompt {args.prompt_len}, output {args.output_len}, bf16, "
+        print(f"\nmodel {args.model}, tensor parallel size {args.tensor_parallel_size}, prompt {args.prompt_len}, "
+              f"output {args.output_len}, bf16, "
               f"mamba_ssm_cache_dtype {rows[0].get('mamba_ssm_cache_dtype', args.mamba_ssm_cache_dtype)}, "
               f"logprobs {args.logprobs}, repetition penalty {args.repetition_penalty}"
               + (f", copy bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth else ""))

@@ -18,7 +18,11 @@ Two process groups: the default group (NCCL on CUDA, gloo on CPU) carries the mo
 collectives; a gloo group carries the per-step messages between host buffers and waits
 without a deadline (a worker idles there between requests). A worker that dies breaks
 the collectives of every rank at once (gloo reports the closed connection); the driver
-also polls its local workers before every step.
+also polls its local workers before every step and after every wait for a step's samples.
+NCCL does not notice a dead peer: its kernels wait for it forever, and so would the
+driver's wait for that step. So on CUDA a thread of the driver watches its local workers
+and aborts the NCCL communicators when one exits, which ends those kernels (their
+results are garbage; the engine then fails every request).
 """
 import dataclasses
 import datetime
@@ -26,6 +30,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +50,8 @@ CHANNEL_TIMEOUT = datetime.timedelta(days=365)
 WORKER_EXIT_TIMEOUT_S = 10.0
 # How long a failed collective waits for a local worker's exit to explain it.
 DEATH_NOTICE_S = 1.0
+# How often the driver's watch thread (CUDA) polls its local workers.
+WATCH_INTERVAL_S = 0.05
 ENV_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")
 _JOINED_KEY, _ERROR_KEY = "hybrid_engine/joined", "hybrid_engine/error"
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -76,6 +83,7 @@ class TensorParallelGroup:
     store: Any = None  # the one-node rendezvous store (startup errors travel through it)
     broken: str | None = None  # why the group broke, once it has
     _closed: bool = False
+    _teardown: threading.Lock = field(default_factory=threading.Lock)  # abort (watch thread) vs destroy
 
     @property
     def rank(self) -> int:
@@ -138,6 +146,8 @@ class TensorParallelGroup:
                 dist.destroy_process_group()
             raise
         group.workers, group.store = workers, store
+        if on_cuda and workers:
+            threading.Thread(target=group._watch_workers, name="tp-worker-watch", daemon=True).start()
         return group
 
     @classmethod
@@ -211,13 +221,41 @@ class TensorParallelGroup:
     def check_workers(self) -> None:
         """Driver: raise ParallelGroupError if the group broke or a local worker exited."""
         if self.broken is None:
-            for rank, worker in enumerate(self.workers, start=1):
-                code = worker.poll()
-                if code is not None:
-                    self.broken = f"tensor-parallel worker rank {rank} (pid {worker.pid}) exited with code {code}"
-                    break
+            self.broken = self._worker_exit()
         if self.broken is not None:
             raise ParallelGroupError(self.broken)
+
+    def _worker_exit(self) -> str | None:
+        """Which local worker has exited, if one has."""
+        for rank, worker in enumerate(self.workers, start=1):
+            code = worker.poll()
+            if code is not None:
+                return f"tensor-parallel worker rank {rank} (pid {worker.pid}) exited with code {code}"
+        return None
+
+    def _watch_workers(self) -> None:
+        """Driver on CUDA, a thread of its own: once a local worker exits, mark the group
+        broken and abort the device collectives, so that no kernel (nor the driver's wait
+        for a step) waits for the dead rank."""
+        while not self._closed:
+            exit_ = self._worker_exit()
+            if exit_ is not None and not self._closed:  # (not a worker that shutdown stopped)
+                self.broken = self.broken or exit_
+                self._release_collectives()
+                return
+            time.sleep(WATCH_INTERVAL_S)
+
+    def _release_collectives(self) -> None:
+        """Free the process groups: destroyed when the group is healthy; aborted when it
+        broke on CUDA, since destroying would wait for NCCL kernels a dead rank never
+        joins (aborting ends them). Once, whichever thread comes first."""
+        with self._teardown:
+            if not dist.is_initialized():
+                return
+            if self.broken is not None and self.device.type == "cuda":
+                dist.distributed_c10d._abort_process_group()  # (every group, the default one included)
+            else:
+                dist.destroy_process_group()
 
     def mark_broken(self, error: BaseException) -> None:
         """A collective or a step message failed mid-step: the ranks are out of step for
@@ -238,7 +276,8 @@ class TensorParallelGroup:
 
     def shutdown(self, send_stop: Any = None) -> None:
         """Driver: stop the workers (`send_stop()` tells them, when the group is healthy),
-        wait for them (then kill), and destroy the process groups. Idempotent."""
+        free the process groups, then wait for the workers to exit (killing them after a
+        while). Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -247,9 +286,11 @@ class TensorParallelGroup:
                 send_stop()
             except Exception as error:  # a worker already gone: it is killed below
                 logger.warning("could not tell the tensor-parallel workers to stop: %s", error)
+                self.broken = f"could not tell the workers to stop: {type(error).__name__}: {error}"
+        # Before waiting for the workers: they free theirs once told to stop, and NCCL's
+        # teardown of a healthy group may wait for every rank's.
+        self._release_collectives()
         _stop(self.workers, WORKER_EXIT_TIMEOUT_S if self.broken is None else 0.1)
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _stop(workers: list[subprocess.Popen], timeout: float) -> None:

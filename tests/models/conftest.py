@@ -48,7 +48,7 @@ GRANITE_MOE_ROPE_SHARP = dict(GRANITE_MOE_ROPE, initializer_range=0.3, tie_word_
 # resumed from the state its previous answer left (prefix caching), equals a fresh
 # prefill of the whole text. (1e-6 bound: generated tokens' dt fell under it.)
 NEMOTRON_MOE_SHARP_OPEN = dict(NEMOTRON_MOE, initializer_range=0.3, time_step_min=1e-30, time_step_floor=1e-4,
-                               head_dim=16)  # (the Triton attention kernel needs head_dim >= 16: GPU tests use it)
+                               head_dim=16)
 GRANITE_MOE_NOPE_SHARP = dict(GRANITE_MOE_ROPE_SHARP, position_embedding_type=None, time_step_limit=(0.0, 0.06))
 CHECKPOINTS = {
     "nemotron_moe": ("NemotronHConfig", "NemotronHForCausalLM", NEMOTRON_MOE),

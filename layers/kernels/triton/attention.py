@@ -252,7 +252,8 @@ def paged_attention(
     # step, whose query i is row i, needs no zero fill (one kernel fewer per layer).
     decode_only = num_decode == num_seqs == num_tokens
     out = torch.empty_like(q) if decode_only else torch.zeros_like(q)
-    bd = triton.next_power_of_2(head_dim)
+    # The head dim in tiles of a power of two, at least 16 (tl.dot's least; the tail is masked).
+    bd = max(16, triton.next_power_of_2(head_dim))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 stays exact; ignored for bf16/fp16
     scale_log2 = scale * _LOG2E
     cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
