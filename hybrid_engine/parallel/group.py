@@ -22,7 +22,8 @@ also polls its local workers before every step and after every wait for a step's
 NCCL does not notice a dead peer: its kernels wait for it forever, and so would the
 driver's wait for that step. So on CUDA a thread of the driver watches its local workers
 and aborts the NCCL communicators when one exits, which ends those kernels (their
-results are garbage; the engine then fails every request).
+results are garbage; the engine then fails every request). Every rank aborts its groups
+at shutdown too, on CUDA, where destroying them could wait for the other ranks.
 """
 import dataclasses
 import datetime
@@ -83,7 +84,9 @@ class TensorParallelGroup:
     store: Any = None  # the one-node rendezvous store (startup errors travel through it)
     broken: str | None = None  # why the group broke, once it has
     _closed: bool = False
-    _teardown: threading.Lock = field(default_factory=threading.Lock)  # abort (watch thread) vs destroy
+    # Teardown once, from the watch thread or shutdown (re-entrant: a garbage-collected
+    # engine's finalizer can run shutdown on whichever thread allocates, the watch thread too).
+    _teardown: threading.RLock = field(default_factory=threading.RLock)
 
     @property
     def rank(self) -> int:
@@ -236,23 +239,28 @@ class TensorParallelGroup:
     def _watch_workers(self) -> None:
         """Driver on CUDA, a thread of its own: once a local worker exits, mark the group
         broken and abort the device collectives, so that no kernel (nor the driver's wait
-        for a step) waits for the dead rank."""
+        for a step) waits for the dead rank. (Local workers only: a rank on another node
+        that dies leaves NCCL waiting, as in any NCCL program.)"""
         while not self._closed:
             exit_ = self._worker_exit()
             if exit_ is not None and not self._closed:  # (not a worker that shutdown stopped)
                 self.broken = self.broken or exit_
-                self._release_collectives()
+                try:
+                    self._release_collectives()
+                except Exception:  # (the main thread then fails on the broken group)
+                    logger.exception("aborting the collectives after a worker's exit failed")
                 return
             time.sleep(WATCH_INTERVAL_S)
 
     def _release_collectives(self) -> None:
-        """Free the process groups: destroyed when the group is healthy; aborted when it
-        broke on CUDA, since destroying would wait for NCCL kernels a dead rank never
-        joins (aborting ends them). Once, whichever thread comes first."""
+        """Free this rank's process groups, once, whichever thread comes first. On CUDA they
+        are aborted, not destroyed: an abort waits for no other rank (NCCL's teardown of a
+        healthy group may wait for every rank's; of a broken one, forever) and ends kernels
+        still waiting for a dead rank."""
         with self._teardown:
             if not dist.is_initialized():
                 return
-            if self.broken is not None and self.device.type == "cuda":
+            if self.device.type == "cuda":
                 dist.distributed_c10d._abort_process_group()  # (every group, the default one included)
             else:
                 dist.destroy_process_group()

@@ -16,8 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from hybrid_engine import LLM, SamplingParams
-from tests.parallel.conftest import GREEDY
-from tests.spec.proposers import PartialProposer
+from tests.parallel.conftest import GREEDY, kill_a_worker_mid_generation, speculative_then_cached_turns
 
 
 def _llm(path: str, size: int, **kwargs) -> LLM:
@@ -60,31 +59,10 @@ def test_expert_parallel_equals_tensor_parallel(nemotron):
 
 
 def test_granite_two_ranks_speculative_and_prefix_cache_match_hf(granite):
-    """Granite (RoPE, shared MLP, logit scaling) at 2 ranks with drafts (HF's answer, every
-    other one corrupted: verify rows accept a prefix, the state rolls back), then a second
-    round that resumes from the prefix cache (its KV tail copies are replayed on the worker;
-    the Mamba state is read in place) with penalties (the token history written from the cached prefix)."""
-    ids = [f"generate-{i}" for i in range(len(granite.prompts))]
-    truth = {rid: p + t for rid, p, t in zip(ids, granite.prompts, granite.tokens)}
-    proposer = PartialProposer(truth, rate=0.3, vocab_size=96)
-    llm = _llm(granite.path, 2, speculative_config={"method": "proposer", "proposer": proposer,
-                                                    "num_speculative_tokens": 3})
-    try:
-        first = _generate(llm, granite.prompts)
-        granite.check(first)
-        stats = llm.engine.stats()
-        assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
-        # The next turn of each conversation: prompt + answer + new tokens.
-        turns = [p + o.output_token_ids + [7, 8, 9] for p, o in zip(granite.prompts, first)]
-        penalized = SamplingParams(max_tokens=6, temperature=0.8, seed=3, repetition_penalty=1.3,
-                                   frequency_penalty=0.2)
-        cached = _generate(llm, turns, penalized)
-        assert llm.engine.stats()["prefix_cache_hits"] > 0
-    finally:
-        llm.shutdown()
-    single = LLM(model=granite.path, device="cpu", dtype="float32", kv_block_size=4, enable_prefix_caching=False)
-    fresh = _generate(single, turns, penalized)
-    assert [o.output_token_ids for o in cached] == [o.output_token_ids for o in fresh]
+    """Granite (RoPE, shared MLP, logit scaling) at 2 ranks: drafts, then cached next turns."""
+    speculative_then_cached_turns(granite, lambda **options: _llm(granite.path, 2, **options),
+                                  lambda: LLM(model=granite.path, device="cpu", dtype="float32", kv_block_size=4,
+                                              enable_prefix_caching=False))
 
 
 def test_nemotron_next_turn_resumes_at_the_previous_prompt_under_tensor_parallel(nemotron):
@@ -139,31 +117,7 @@ def test_engines_one_after_another_and_garbage_collected(nemotron):
 
 
 def test_a_dead_worker_fails_every_request_and_the_engine_says_so(nemotron):
-    """SIGKILL a worker mid-generation: within 30 s every request (running or waiting)
-    ends with finish_reason "error", the engine reports why, and refuses new requests."""
-    llm = _llm(nemotron.path, 2, max_num_seqs=2)
-    engine = llm.engine
-    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-    for i, prompt in enumerate(nemotron.prompts):
-        engine.add_request(f"r{i}", prompt, params)
-    ended = {}
-    for _ in range(3):
-        for out in engine.step():
-            ended.update({out.request_id: out} if out.finished else {})
-    worker = engine.group.workers[0]
-    os.kill(worker.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while engine.has_unfinished_requests() and time.monotonic() < deadline:
-        for out in engine.step():
-            if out.finished:
-                ended[out.request_id] = out
-    assert not engine.has_unfinished_requests()
-    assert {r: o.finish_reason for r, o in ended.items()} == {f"r{i}": "error" for i in range(len(nemotron.prompts))}
-    assert engine.dead is not None and "rank 1" in engine.dead
-    with pytest.raises(RuntimeError, match="engine is dead"):
-        engine.add_request("late", nemotron.prompts[0], params)
-    llm.shutdown()
-    assert not dist.is_initialized()
+    kill_a_worker_mid_generation(nemotron, _llm(nemotron.path, 2, max_num_seqs=2), max_tokens=200)
 
 
 def test_errors_name_the_field_before_any_worker_starts(nemotron):
