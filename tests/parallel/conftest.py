@@ -23,6 +23,19 @@ HANG_S = 180  # kill_a_worker_mid_generation: past this a step is hung, not slow
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
 
 
+def tp_llm(path: str, size: int, device: str, **kwargs) -> LLM:
+    """A float32 LLM of the checkpoint at `path` over `size` ranks on `device` ("cpu":
+    gloo processes; "cuda": one GPU each, NCCL), with small KV blocks (16 on CUDA, the
+    Triton kernels' least)."""
+    return LLM(model=path, device=device, dtype="float32", tensor_parallel_size=size,
+               kv_block_size=4 if device == "cpu" else 16, **kwargs)
+
+
+def generate(llm: LLM, prompts, params: SamplingParams = GREEDY):
+    """`llm.generate` without the progress bar."""
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
 class Oracle:
     """A tiny checkpoint, prompts, and transformers' greedy answers with logprobs."""
 

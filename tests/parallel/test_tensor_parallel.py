@@ -16,15 +16,13 @@ import pytest
 import torch.distributed as dist
 
 from hybrid_engine import LLM, SamplingParams
-from tests.parallel.conftest import GREEDY, kill_a_worker_mid_generation, speculative_then_cached_turns
+from tests.parallel.conftest import (
+    GREEDY, generate, kill_a_worker_mid_generation, speculative_then_cached_turns, tp_llm,
+)
 
 
 def _llm(path: str, size: int, **kwargs) -> LLM:
-    return LLM(model=path, device="cpu", dtype="float32", tensor_parallel_size=size, kv_block_size=4, **kwargs)
-
-
-def _generate(llm: LLM, prompts, params=GREEDY):
-    return llm.generate(prompts, params, use_tqdm=False)
+    return tp_llm(path, size, "cpu", **kwargs)
 
 
 @pytest.mark.parametrize("model", ["nemotron", "granite"])
@@ -34,7 +32,7 @@ def test_four_ranks_replicated_kv_heads_and_groups_match_hf_async_with_rejection
     oracle = request.getfixturevalue(model)
     llm = _llm(oracle.path, 4, inject_rejection_rate=0.3, max_num_seqs=4, max_num_batched_tokens=8)
     try:
-        oracle.check(_generate(llm, oracle.prompts))
+        oracle.check(generate(llm, oracle.prompts))
         stats = llm.engine.stats()
         assert stats["rejected_launches"] > 0 and stats["launch_ahead_steps"] > 0
     finally:
@@ -47,7 +45,7 @@ def test_expert_parallel_equals_tensor_parallel(nemotron):
     for ep in (False, True):
         llm = _llm(nemotron.path, 2, enable_expert_parallel=ep, async_scheduling=False)
         try:
-            runs[ep] = _generate(llm, nemotron.prompts)
+            runs[ep] = generate(llm, nemotron.prompts)
         finally:
             llm.shutdown()
     nemotron.check(runs[True])
@@ -71,17 +69,17 @@ def test_nemotron_next_turn_resumes_at_the_previous_prompt_under_tensor_parallel
     at the previous prompt's end, and its tokens equal an uncached single-rank run's."""
     llm = _llm(nemotron.path, 2)
     try:
-        first = _generate(llm, nemotron.prompts)
+        first = generate(llm, nemotron.prompts)
         nemotron.check(first)
         turns = [p + o.output_token_ids + [7, 8, 9] for p, o in zip(nemotron.prompts, first)]
-        cached = _generate(llm, turns)
+        cached = generate(llm, turns)
         stats = llm.engine.stats()
     finally:
         llm.shutdown()
     assert [o.num_cached_tokens for o in cached] == [len(p) for p in nemotron.prompts]
     assert stats["prefix_cache_dt_limited_requests"] == 2 * len(turns)
     single = LLM(model=nemotron.path, device="cpu", dtype="float32", kv_block_size=4, enable_prefix_caching=False)
-    fresh = _generate(single, turns)
+    fresh = generate(single, turns)
     assert [o.output_token_ids for o in cached] == [o.output_token_ids for o in fresh]
 
 
@@ -91,7 +89,7 @@ def test_draft_model_under_tensor_parallel(nemotron):
     llm = _llm(nemotron.path, 2, speculative_config={"method": "draft_model", "model": nemotron.path,
                                                       "num_speculative_tokens": 3})
     try:
-        nemotron.check(_generate(llm, nemotron.prompts))
+        nemotron.check(generate(llm, nemotron.prompts))
         stats = llm.engine.stats()
         assert stats["spec_accepted_tokens"] >= 0.99 * stats["spec_proposed_tokens"] > 0
     finally:
@@ -109,7 +107,7 @@ def test_engines_one_after_another_and_garbage_collected(nemotron):
     assert all(w.poll() is not None for w in workers) and not dist.is_initialized()
     llm = _llm(nemotron.path, 2)
     try:
-        nemotron.check(_generate(llm, nemotron.prompts[:1]))
+        nemotron.check(generate(llm, nemotron.prompts[:1]))
     finally:
         llm.shutdown()
     llm.shutdown()  # idempotent
@@ -165,7 +163,7 @@ def test_env_rendezvous_across_two_nodes(nemotron, monkeypatch):
     try:
         llm = _llm(nemotron.path, 2)
         try:
-            nemotron.check(_generate(llm, nemotron.prompts[:2]))
+            nemotron.check(generate(llm, nemotron.prompts[:2]))
         finally:
             llm.shutdown()
         assert node.wait(timeout=60) == 0
@@ -225,7 +223,7 @@ def test_an_interrupted_step_breaks_the_group_instead_of_desynchronizing_it(nemo
     layer.forward = interrupted
     try:
         with pytest.raises(KeyboardInterrupt):
-            _generate(llm, nemotron.prompts[:1])
+            generate(llm, nemotron.prompts[:1])
         assert llm.engine.dead is not None and not llm.engine.has_unfinished_requests()
     finally:
         llm.shutdown()
@@ -267,8 +265,8 @@ def test_built_in_one_thread_used_from_another(nemotron):
     with ThreadPoolExecutor(1) as pool:
         llm = pool.submit(_llm, nemotron.path, 2).result()
     try:
-        nemotron.check(_generate(llm, nemotron.prompts[:1]))
+        nemotron.check(generate(llm, nemotron.prompts[:1]))
     finally:
         llm.shutdown()
     with pytest.raises(RuntimeError, match="engine is dead.*shut down"):
-        _generate(llm, nemotron.prompts[:1])
+        generate(llm, nemotron.prompts[:1])

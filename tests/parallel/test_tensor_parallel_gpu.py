@@ -8,18 +8,14 @@ import torch
 import torch.distributed as dist
 
 from hybrid_engine import LLM
-from tests.parallel.conftest import GREEDY, kill_a_worker_mid_generation, speculative_then_cached_turns
+from tests.parallel.conftest import generate, kill_a_worker_mid_generation, speculative_then_cached_turns, tp_llm
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
 
 
 def _llm(path: str, size: int, **kwargs) -> LLM:
-    return LLM(model=path, device="cuda", dtype="float32", tensor_parallel_size=size, kv_block_size=16, **kwargs)
-
-
-def _generate(llm: LLM, prompts, params=GREEDY):
-    return llm.generate(prompts, params, use_tqdm=False)
+    return tp_llm(path, size, "cuda", **kwargs)
 
 
 @pytest.mark.parametrize("model", ["nemotron", "granite"])
@@ -30,7 +26,7 @@ def test_two_gpus_match_hf_with_graphs_launch_ahead_and_rejections(model, reques
     oracle = request.getfixturevalue(model)
     llm = _llm(oracle.path, 2, inject_rejection_rate=0.3, max_num_seqs=4, max_num_batched_tokens=16)
     try:
-        oracle.check(_generate(llm, oracle.prompts))
+        oracle.check(generate(llm, oracle.prompts))
         stats, graphs = llm.engine.stats(), llm.engine.runner.graphs
         assert graphs is not None and sum(graphs.replays.values()) > 0
         assert stats["rejected_launches"] > 0 and stats["launch_ahead_steps"] > 0
@@ -42,7 +38,7 @@ def test_two_gpus_match_hf_with_graphs_launch_ahead_and_rejections(model, reques
 def test_two_gpus_expert_parallel_matches_hf(nemotron):
     llm = _llm(nemotron.path, 2, enable_expert_parallel=True)
     try:
-        nemotron.check(_generate(llm, nemotron.prompts))
+        nemotron.check(generate(llm, nemotron.prompts))
     finally:
         llm.shutdown()
 
