@@ -8,7 +8,9 @@ offset is aligned without padding.
 Row layout (the scheduler's order): sequences [0, num_decode) are decode rows of W tokens
 each (W = 1 + the step's most drafts; tokens [0, num_decode * W): the input token, the
 drafts, then padding); prefill chunks follow, packed, in tokens [num_decode * W,
-num_tokens). Rows past the step's count are stale and never read.
+num_tokens). Rows past the step's count are stale and never read: a step's bytes are the
+leading rows of each field (`StepExtent`), which is all tensor parallelism sends to the
+other ranks (`pack` / `unpack`).
 
 | field               | dtype   | shape      | meaning                                         |
 |---------------------|---------|------------|-------------------------------------------------|
@@ -117,6 +119,16 @@ NEUTRAL_SAMPLING = SamplingRow(temperature=0.0, top_p=1.0, min_p=0.0, repetition
                                frequency_penalty=0.0, top_k=0.0, num_logprobs=-1.0)
 
 
+class StepExtent(NamedTuple):
+    """How many leading rows of each field a step uses (graph padding rows included)."""
+
+    tokens: int
+    seqs: int
+    width: int  # verify_dst rows (positions of the widest decode row)
+    new_slots: int
+    saves: int
+
+
 def _fields(max_tokens: int, max_seqs: int, max_blocks: int, max_new_slots: int, max_width: int,
             max_saves: int) -> list[_Field]:
     t, s = (max_tokens,), (max_seqs,)
@@ -133,6 +145,14 @@ def _fields(max_tokens: int, max_seqs: int, max_blocks: int, max_new_slots: int,
         + [_Field(n, torch.float32, s) for n in SAMPLING_F32]
         + [_Field("prompt_token_mask", torch.bool, t)]
     )
+
+
+_RANGES_CACHE_SIZE = 256  # step extents whose byte ranges a StepBuffer keeps
+# Which count of a StepExtent gives each field's leading rows (block_tables: rows of MB).
+_EXTENT_OF = {**dict.fromkeys(TOKEN_I64 + ("prompt_token_mask",), "token"),
+              **dict.fromkeys(SEQ_I64 + SAMPLING_F32 + ("seq_lens", "block_tables", "top_k", "dt_limit_hits"), "seq"),
+              **dict.fromkeys(("cu_seqlens_q", "prefill_cu_seqlens", "save_cu"), "cu"),
+              "new_state_slots": "new", "save_slots": "save", "save_offsets": "save"}
 
 
 def _views(buffer: torch.Tensor, fields: list[_Field]) -> dict[str, torch.Tensor]:
@@ -183,6 +203,15 @@ class StepBuffer:
         self.max_tokens, self.max_seqs, self.max_blocks_per_seq = max_tokens, max_seqs, max_blocks_per_seq
         fields = _fields(max_tokens, max_seqs, max_blocks_per_seq, max_new_slots, max_width, max_saves)
         nbytes = _layout_bytes(fields)
+        # Per field: name, byte offset, bytes per leading row, bytes between verify_dst's rows.
+        self._field_rows: list[tuple[str, int, int, int]] = []
+        offset = 0
+        for f in fields:
+            itemsize = torch.empty((), dtype=f.dtype).element_size()
+            row = itemsize * (f.shape[1] if len(f.shape) == 2 and f.name != "verify_dst" else 1)
+            self._field_rows.append((f.name, offset, row, itemsize * f.shape[-1]))
+            offset += itemsize * int(np.prod(f.shape))
+        self._ranges_cache: dict[StepExtent, list[tuple[int, int]]] = {}
         pin = device.type == "cuda"
         self._host_bytes = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         self._host_views = [_views(b, fields) for b in self._host_bytes]
@@ -237,14 +266,50 @@ class StepBuffer:
         """A copy of what `copy_rows_from` covers, in the current host buffer (for checks)."""
         return [v.copy() for v in self._decode_rows(self._current, rows)]
 
-    def host_bytes(self) -> torch.Tensor:
-        """The current host buffer's bytes (what `sync` copies; tensor parallelism sends
-        them to the other ranks)."""
-        return self._host_bytes[self._current]
-
     @property
     def nbytes(self) -> int:
         return self._device_bytes.numel()
+
+    def _step_ranges(self, extent: StepExtent) -> list[tuple[int, int]]:
+        """Byte ranges [start, stop) of the layout that a step of `extent` uses, in buffer
+        order, adjacent ones merged (cached: consecutive steps mostly share an extent)."""
+        ranges = self._ranges_cache.get(extent)
+        if ranges is not None:
+            return ranges
+        leading = {"token": extent.tokens, "seq": extent.seqs, "cu": extent.seqs + 1, "new": extent.new_slots,
+                   "save": extent.saves}
+        ranges = []
+        for name, offset, row_bytes, rows_apart in self._field_rows:
+            if name == "verify_dst":  # [width, seqs], position-major: each position's rows
+                parts = [(offset + j * rows_apart, extent.seqs * row_bytes) for j in range(extent.width)]
+            else:
+                parts = [(offset, leading[_EXTENT_OF[name]] * row_bytes)]
+            for start, size in parts:
+                if size and ranges and ranges[-1][1] == start:
+                    ranges[-1] = (ranges[-1][0], start + size)
+                elif size:
+                    ranges.append((start, start + size))
+        if len(self._ranges_cache) >= _RANGES_CACHE_SIZE:
+            self._ranges_cache.clear()
+        self._ranges_cache[extent] = ranges
+        return ranges
+
+    def pack(self, extent: StepExtent) -> np.ndarray:
+        """The bytes of the current host buffer a step of `extent` uses, back to back."""
+        data = self._host_bytes[self._current].numpy()
+        return np.concatenate([data[start:stop] for start, stop in self._step_ranges(extent)])
+
+    def unpack(self, extent: StepExtent, packed: np.ndarray) -> None:
+        """Write what `pack` gave (another rank's same-layout buffer) into the current host
+        buffer; the rows past the extent keep their stale bytes, which the step never reads."""
+        ranges = self._step_ranges(extent)
+        needed = sum(stop - start for start, stop in ranges)
+        if needed != len(packed):
+            raise ValueError(f"step message of {len(packed)} bytes, the extent needs {needed}")
+        data, at = self._host_bytes[self._current].numpy(), 0
+        for start, stop in ranges:
+            data[start:stop] = packed[at:at + stop - start]
+            at += stop - start
 
     def sync(self) -> None:
         """Mirror the host buffer into the device buffer: the step's single H2D copy."""

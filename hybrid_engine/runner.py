@@ -178,7 +178,7 @@ class ModelRunner:
             self.num_steady_steps += 1
         plan.host_index = self.buffer.current_index
         if self.sender is not None:
-            self.sender.send(plan, self.buffer.host_bytes())
+            self.sender.send(plan, self.buffer)
         self.buffer.sync()
         return plan
 

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cache.step_buffer import StepExtent
 from hybrid_engine.request import Request
 from hybrid_engine.scheduler import SchedulerOutput, VerifiedRow
 
@@ -35,6 +36,11 @@ class StepPlan:
     def num_sampled(self) -> int:
         """Rows of logits the step samples: every position of a decode row, one per prefill chunk."""
         return self.num_decode * self.decode_width + self.num_prefill
+
+    @property
+    def extent(self) -> StepExtent:
+        """The leading rows of each step-buffer field this step uses."""
+        return StepExtent(self.num_tokens, self.num_seqs, self.decode_width, self.num_new_slots, self.num_saves)
 
 
 @dataclass

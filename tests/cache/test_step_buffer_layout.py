@@ -3,7 +3,7 @@ buffer mirrored into one device buffer of the same layout; one sync = one copy."
 import pytest
 import torch
 
-from cache.step_buffer import StepBuffer
+from cache.step_buffer import StepBuffer, StepExtent
 
 T, S, MB = 24, 5, 7
 PER_TOKEN = ["input_ids", "positions", "slot_mapping", "prompt_token_mask"]
@@ -107,3 +107,52 @@ def test_cuda_host_buffer_is_pinned_and_mirrors():
     torch.cuda.synchronize()
     for name, value in expected.items():
         assert torch.equal(buf.device[name].cpu(), value), name
+
+
+# Which leading rows of each field a step reads, restated from the layout table
+# (cache/step_buffer.py): the rows `pack` must carry.
+ROWS_READ = {
+    **dict.fromkeys(["input_ids", "positions", "slot_mapping", "prompt_token_mask"], "tokens"),
+    **dict.fromkeys(["mamba_src", "mamba_dst", "input_from_prev", "logits_indices", "seeds", "output_pos",
+                     "history_rows", "prompt_lens", "history_lens", "num_drafts", "seq_lens", "block_tables", "top_k",
+                     "dt_limit_hits", "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"], "seqs"),
+    **dict.fromkeys(["cu_seqlens_q", "prefill_cu_seqlens", "save_cu"], "seqs + 1"),
+    "new_state_slots": "new_slots", "save_slots": "saves", "save_offsets": "saves", "verify_dst": "width x seqs",
+}
+
+
+def _rows(name: str, extent: StepExtent) -> tuple[slice, ...]:
+    kind = ROWS_READ[name]
+    if kind == "width x seqs":
+        return slice(0, extent.width), slice(0, extent.seqs)
+    return (slice(0, extent.seqs + 1 if kind == "seqs + 1" else getattr(extent, kind)),)
+
+
+@pytest.mark.parametrize("extent", [StepExtent(tokens=3, seqs=3, width=1, new_slots=0, saves=0),
+                                    StepExtent(tokens=T, seqs=S, width=3, new_slots=2 * S, saves=4),
+                                    StepExtent(tokens=9, seqs=2, width=2, new_slots=1, saves=1)])
+def test_pack_carries_every_row_a_step_reads_and_nothing_else(extent):
+    """What tensor parallelism sends (`pack`) and a worker writes into its own buffer
+    (`unpack`): each field's leading rows of the extent, equal to the sender's; every byte
+    outside them keeps the receiver's own (stale) value."""
+    sender = StepBuffer(T, S, MB, 2 * S, torch.device("cpu"), max_width=3, max_saves=4)
+    receiver = StepBuffer(T, S, MB, 2 * S, torch.device("cpu"), max_width=3, max_saves=4)
+    assert set(sender.host) == set(ROWS_READ)
+    gen = torch.Generator().manual_seed(0)
+    for name, view in sender.host.items():
+        view.copy_(torch.randint(1, 100, view.shape, generator=gen).to(view.dtype))
+        receiver.host[name].copy_(torch.randint(200, 300, view.shape, generator=gen).to(view.dtype)
+                                  if view.dtype != torch.bool else torch.zeros_like(view))
+    stale = {name: v.clone() for name, v in receiver.host.items()}
+    packed = sender.pack(extent)
+    receiver.unpack(extent, packed)
+    for name, view in receiver.host.items():
+        rows = _rows(name, extent)
+        assert torch.equal(view[rows], sender.host[name][rows]), name
+        outside = torch.ones_like(view, dtype=torch.bool)
+        outside[rows] = False
+        assert torch.equal(view[outside], stale[name][outside]), name
+    assert len(packed) == sum(v[_rows(n, extent)].numel() * v.element_size() for n, v in sender.host.items())
+    with pytest.raises(ValueError, match="step message"):
+        receiver.unpack(extent, packed[:-1])
