@@ -148,6 +148,9 @@ def _fields(max_tokens: int, max_seqs: int, max_blocks: int, max_new_slots: int,
 
 
 _RANGES_CACHE_SIZE = 256  # step extents whose byte ranges a StepBuffer keeps
+# What `unpack(scramble_stale=True)` writes outside a step's rows: as int64 an index far out
+# of every table, as float32 a huge value.
+STALE_JUNK = 0x5A
 # Which count of a StepExtent gives each field's leading rows (block_tables: rows of MB).
 _EXTENT_OF = {**dict.fromkeys(TOKEN_I64 + ("prompt_token_mask",), "token"),
               **dict.fromkeys(SEQ_I64 + SAMPLING_F32 + ("seq_lens", "block_tables", "top_k", "dt_limit_hits"), "seq"),
@@ -299,14 +302,18 @@ class StepBuffer:
         data = self._host_bytes[self._current].numpy()
         return np.concatenate([data[start:stop] for start, stop in self._step_ranges(extent)])
 
-    def unpack(self, extent: StepExtent, packed: np.ndarray) -> None:
+    def unpack(self, extent: StepExtent, packed: np.ndarray, scramble_stale: bool = False) -> None:
         """Write what `pack` gave (another rank's same-layout buffer) into the current host
-        buffer; the rows past the extent keep their stale bytes, which the step never reads."""
+        buffer; the rows past the extent keep their stale bytes, which the step never reads.
+        `scramble_stale` (a check for tests) overwrites those with junk first, so that a step
+        that did read them would go wrong."""
         ranges = self._step_ranges(extent)
         needed = sum(stop - start for start, stop in ranges)
         if needed != len(packed):
             raise ValueError(f"step message of {len(packed)} bytes, the extent needs {needed}")
         data, at = self._host_bytes[self._current].numpy(), 0
+        if scramble_stale:
+            data[:] = STALE_JUNK
         for start, stop in ranges:
             data[start:stop] = packed[at:at + stop - start]
             at += stop - start

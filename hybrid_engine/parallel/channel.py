@@ -57,14 +57,16 @@ class StepHeader:
     decode_width: int
     num_new_slots: int
     num_saves: int
+    buffer_bytes: int  # the sender's step-buffer size: the rows are laid out for it
     step_bytes: int  # size of the packed step-buffer rows that follow
     device_ops_bytes: int  # size of the pickled device-op log after them (0: none)
 
     @classmethod
-    def of_plan(cls, engine: int, plan: StepPlan, step_bytes: int, device_ops_bytes: int) -> "StepHeader":
+    def of_plan(cls, engine: int, plan: StepPlan, buffer_bytes: int, step_bytes: int,
+                device_ops_bytes: int) -> "StepHeader":
         return cls(KIND_STEP, engine, plan.num_decode, plan.num_prefill, plan.num_tokens, plan.max_seqlen_q,
                    plan.num_logprobs, int(plan.all_greedy), int(plan.use_penalties), plan.num_from_prev,
-                   plan.decode_width, plan.num_new_slots, plan.num_saves, step_bytes, device_ops_bytes)
+                   plan.decode_width, plan.num_new_slots, plan.num_saves, buffer_bytes, step_bytes, device_ops_bytes)
 
     def plan(self) -> StepPlan:
         """The device-side plan of the step (no requests: a worker never sees them)."""
@@ -124,7 +126,7 @@ class StepSender:
         rows = buffer.pack(plan.extent)
         first = min(len(rows), STEP_MESSAGE_ROW_BYTES)
         message = self._message.numpy()
-        message[:_HEADER_BYTES] = np.array(astuple(StepHeader.of_plan(self.engine, plan, len(rows), len(ops))),
+        message[:_HEADER_BYTES] = np.array(astuple(StepHeader.of_plan(self.engine, plan, buffer.nbytes, len(rows), len(ops))),
                                            dtype=np.int64).view(np.uint8)
         message[_HEADER_BYTES:_HEADER_BYTES + first] = rows[:first]
         try:
@@ -163,13 +165,16 @@ def follow(group: TensorParallelGroup, targets: dict[int, dict[str, Any]]) -> No
         if header.kind == KIND_STOP:
             return
         runner = targets[header.engine]["runner"]
+        if header.buffer_bytes != runner.buffer.nbytes:  # (pools are sized alike on every rank)
+            raise RuntimeError(f"engine {header.engine}: the driver's step buffer is {header.buffer_bytes} bytes, "
+                               f"this rank's {runner.buffer.nbytes}: their layouts differ")
         plan = header.plan()
         rows = raw[_HEADER_BYTES:_HEADER_BYTES + min(header.step_bytes, STEP_MESSAGE_ROW_BYTES)]
         if header.step_bytes > STEP_MESSAGE_ROW_BYTES:
             rest = torch.empty(header.step_bytes - STEP_MESSAGE_ROW_BYTES, dtype=torch.uint8)
             _broadcast(rest, group)
             rows = np.concatenate([rows, rest.numpy()])
-        runner.buffer.unpack(plan.extent, rows)
+        runner.buffer.unpack(plan.extent, rows, scramble_stale=runner.check_steady_decode)
         if header.device_ops_bytes:
             raw = torch.empty(header.device_ops_bytes, dtype=torch.uint8)
             _broadcast(raw, group)

@@ -3,7 +3,7 @@ buffer mirrored into one device buffer of the same layout; one sync = one copy."
 import pytest
 import torch
 
-from cache.step_buffer import StepBuffer, StepExtent
+from cache.step_buffer import STALE_JUNK, StepBuffer, StepExtent
 
 T, S, MB = 24, 5, 7
 PER_TOKEN = ["input_ids", "positions", "slot_mapping", "prompt_token_mask"]
@@ -156,3 +156,13 @@ def test_pack_carries_every_row_a_step_reads_and_nothing_else(extent):
     assert len(packed) == sum(v[_rows(n, extent)].numel() * v.element_size() for n, v in sender.host.items())
     with pytest.raises(ValueError, match="step message"):
         receiver.unpack(extent, packed[:-1])
+    # The tests' check: every byte outside the step's rows becomes junk, the rows arrive.
+    receiver.unpack(extent, packed, scramble_stale=True)
+    for name, view in receiver.host.items():
+        rows = _rows(name, extent)
+        assert torch.equal(view[rows], sender.host[name][rows]), name
+        outside = torch.ones_like(view, dtype=torch.bool)
+        outside[rows] = False
+        junk = view.view(torch.uint8).view(*view.shape, view.element_size()) if view.dtype != torch.bool \
+            else view.view(torch.uint8)
+        assert bool((junk[outside] == STALE_JUNK).all()), name
