@@ -153,7 +153,8 @@ _RANGES_CACHE_SIZE = 256  # step extents whose byte ranges a StepBuffer keeps
 STALE_JUNK = 0x5A
 # Which count of a StepExtent gives each field's leading rows (block_tables: rows of MB).
 _EXTENT_OF = {**dict.fromkeys(TOKEN_I64 + ("prompt_token_mask",), "token"),
-              **dict.fromkeys(SEQ_I64 + SAMPLING_F32 + ("seq_lens", "block_tables", "top_k", "dt_limit_hits"), "seq"),
+              **dict.fromkeys(SEQ_I64 + SAMPLING_F32 + ("seq_lens", "block_tables", "top_k", "dt_limit_hits"),
+                              "seq"),
               **dict.fromkeys(("cu_seqlens_q", "prefill_cu_seqlens", "save_cu"), "cu"),
               "new_state_slots": "new", "save_slots": "save", "save_offsets": "save"}
 

@@ -125,9 +125,9 @@ class StepSender:
         ops = self.device_ops.take()
         rows = buffer.pack(plan.extent)
         first = min(len(rows), STEP_MESSAGE_ROW_BYTES)
+        header = StepHeader.of_plan(self.engine, plan, buffer.nbytes, len(rows), len(ops))
         message = self._message.numpy()
-        message[:_HEADER_BYTES] = np.array(astuple(StepHeader.of_plan(self.engine, plan, buffer.nbytes, len(rows), len(ops))),
-                                           dtype=np.int64).view(np.uint8)
+        message[:_HEADER_BYTES] = np.array(astuple(header), dtype=np.int64).view(np.uint8)
         message[_HEADER_BYTES:_HEADER_BYTES + first] = rows[:first]
         try:
             _broadcast(self._message, self.group)
@@ -176,9 +176,9 @@ def follow(group: TensorParallelGroup, targets: dict[int, dict[str, Any]]) -> No
             rows = np.concatenate([rows, rest.numpy()])
         runner.buffer.unpack(plan.extent, rows, scramble_stale=runner.check_steady_decode)
         if header.device_ops_bytes:
-            raw = torch.empty(header.device_ops_bytes, dtype=torch.uint8)
-            _broadcast(raw, group)
-            for target, op, args in pickle.loads(np.asarray(raw).tobytes()):
+            ops = torch.empty(header.device_ops_bytes, dtype=torch.uint8)
+            _broadcast(ops, group)
+            for target, op, args in pickle.loads(np.asarray(ops).tobytes()):
                 getattr(targets[header.engine][target], op)(*args)
         runner.buffer.sync()
         runner.launch(plan)
