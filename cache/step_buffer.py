@@ -207,18 +207,16 @@ class StepBuffer:
         self.max_tokens, self.max_seqs, self.max_blocks_per_seq = max_tokens, max_seqs, max_blocks_per_seq
         fields = _fields(max_tokens, max_seqs, max_blocks_per_seq, max_new_slots, max_width, max_saves)
         nbytes = _layout_bytes(fields)
-        # Per field: name, byte offset, bytes per leading row, bytes between verify_dst's rows.
-        self._field_rows: list[tuple[str, int, int, int]] = []
-        offset = 0
-        for f in fields:
-            itemsize = torch.empty((), dtype=f.dtype).element_size()
-            row = itemsize * (f.shape[1] if len(f.shape) == 2 and f.name != "verify_dst" else 1)
-            self._field_rows.append((f.name, offset, row, itemsize * f.shape[-1]))
-            offset += itemsize * int(np.prod(f.shape))
-        self._ranges_cache: dict[StepExtent, list[tuple[int, int]]] = {}
         pin = device.type == "cuda"
         self._host_bytes = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         self._host_views = [_views(b, fields) for b in self._host_bytes]
+        # Per field, in layout order: name, byte offset, bytes per leading row (a block-table
+        # row: all its blocks), bytes between verify_dst's rows (`pack`).
+        base = self._host_bytes[0].data_ptr()
+        self._field_rows = [(name, v.data_ptr() - base,
+                             v.element_size() * (v.shape[1] if v.dim() == 2 and name != "verify_dst" else 1),
+                             v.element_size() * v.shape[-1]) for name, v in self._host_views[0].items()]
+        self._ranges_cache: dict[StepExtent, list[tuple[int, int]]] = {}
         # NumPy views of the same host bytes: the bookkeeping writes through these, because
         # a small-array write costs ~0.5 us in NumPy against ~3 us through torch indexing.
         self._host_np = [{name: v.numpy() for name, v in views.items()} for views in self._host_views]
