@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from hybrid_engine import LLM, SamplingParams
@@ -37,6 +38,31 @@ def test_four_ranks_replicated_kv_heads_and_groups_match_hf_async_with_rejection
         assert stats["rejected_launches"] > 0 and stats["launch_ahead_steps"] > 0
     finally:
         llm.shutdown()
+
+
+def test_a_step_whose_rows_overflow_the_message_sends_the_rest_in_a_second_broadcast(nemotron, monkeypatch):
+    """A 3,000-token prompt in one step: its rows pass the message's 64 KiB, the rest follow
+    in a second broadcast, and the tokens equal one process's."""
+    import hybrid_engine.parallel.channel as channel
+
+    sizes = []
+    broadcast = channel._broadcast
+    monkeypatch.setattr(channel, "_broadcast", lambda t, group: (sizes.append(t.numel()), broadcast(t, group)))
+    prompt = torch.randint(3, 96, (3000,), generator=torch.Generator().manual_seed(5)).tolist()
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
+    options = dict(max_num_batched_tokens=4096, max_model_len=3100, enable_prefix_caching=False)  # (no device ops)
+    llm = _llm(nemotron.path, 2, **options)
+    try:
+        [parallel] = generate(llm, [prompt], params)
+    finally:
+        llm.shutdown()
+    message = channel._HEADER_BYTES + channel.STEP_MESSAGE_ROW_BYTES
+    assert message in sizes and any(n != message for n in sizes)  # the overflow, on its own
+    [single] = generate(LLM(model=nemotron.path, device="cpu", dtype="float32", kv_block_size=4, **options),
+                        [prompt], params)
+    assert parallel.output_token_ids == single.output_token_ids
+    for a, b in zip(parallel.logprobs, single.logprobs):
+        assert max(abs(a[t] - b[t]) for t in a) < 1e-5
 
 
 def test_expert_parallel_equals_tensor_parallel(nemotron):
