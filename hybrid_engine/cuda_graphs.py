@@ -78,6 +78,15 @@ class DecodeGraphs:
         logger.info("captured %d decode CUDA graphs (batch sizes %s, row widths %s) in %.1f s, %.1f MiB",
                     len(self._graphs), self.sizes, self.widths, time.perf_counter() - start, (torch.cuda.memory_allocated() - mem_before) / 2**20)
 
+    def release(self) -> None:
+        """Destroy every graph now, not when the garbage collector gets to them: NCCL frees
+        a communicator only once no graph holding its collectives is left (a tensor-parallel
+        rank's shutdown would wait forever). Later steps of this runner run eagerly."""
+        for graph, _ in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+        self.sizes = []
+
     @staticmethod
     def _step(runner, plan, kind: str) -> torch.Tensor:
         """The device work a graph of `kind` captures for `plan`."""

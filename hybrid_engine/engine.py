@@ -317,6 +317,8 @@ class LLMEngine:
             logger.warning("CUDA graphs disabled: decode ops %s have no fast kernel here", slow)
             return
         graphs = DecodeGraphs(max_num_seqs, self.runner.max_width)
+        if self.group is not None:
+            self.group.graphs.append(graphs)  # (destroyed before the communicators: `shutdown`)
         graphs.capture(self.runner)
         self.runner.graphs = graphs
         self.runner.buffer.num_syncs = 0  # capture's own copies are not steps

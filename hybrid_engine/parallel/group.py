@@ -24,6 +24,10 @@ driver's wait for that step. So on CUDA a thread of the driver watches its local
 and aborts the NCCL communicators when one exits, which ends those kernels (their
 results are garbage; the engine then fails every request). Every rank aborts its groups
 at shutdown too, on CUDA, where destroying them could wait for the other ranks.
+
+NCCL frees a communicator (abort or destroy) only once every CUDA graph that captured
+its collectives is destroyed, so each rank's decode graphs (`graphs`) go first, on the
+thread that replays them.
 """
 import dataclasses
 import datetime
@@ -83,6 +87,9 @@ class TensorParallelGroup:
     workers: list[subprocess.Popen] = field(default_factory=list)
     store: Any = None  # the one-node rendezvous store (startup errors travel through it)
     broken: str | None = None  # why the group broke, once it has
+    # CUDA graphs (`DecodeGraphs`) that captured this group's collectives: destroyed before
+    # the communicators are freed, which NCCL does only once no such graph is left.
+    graphs: list[Any] = field(default_factory=list)
     _closed: bool = False
     # Teardown once, from the watch thread or shutdown (re-entrant: a garbage-collected
     # engine's finalizer can run shutdown on whichever thread allocates, the watch thread too).
@@ -246,11 +253,20 @@ class TensorParallelGroup:
             if exit_ is not None and not self._closed:  # (not a worker that shutdown stopped)
                 self.broken = self.broken or exit_
                 try:
-                    self._release_collectives()
+                    self._abort_device_collectives()
                 except Exception:  # (the main thread then fails on the broken group)
                     logger.exception("aborting the collectives after a worker's exit failed")
                 return
             time.sleep(WATCH_INTERVAL_S)
+
+    def _abort_device_collectives(self) -> None:
+        """The watch thread: abort the NCCL communicator. Its kernels quit at once; the
+        abort itself returns once the main thread has destroyed the graphs holding them
+        (`shutdown`, when the engine fails its requests). Not `_abort_process_group`: that
+        waits for the graphs holding the interpreter lock, so the main thread never could."""
+        with self._teardown:
+            if dist.is_initialized():
+                dist.group.WORLD._get_backend(self.device).abort()
 
     def _release_collectives(self) -> None:
         """Free this rank's process groups, once, whichever thread comes first. On CUDA they
@@ -295,6 +311,9 @@ class TensorParallelGroup:
             except Exception as error:  # a worker already gone: it is killed below
                 logger.warning("could not tell the tensor-parallel workers to stop: %s", error)
                 self.broken = f"could not tell the workers to stop: {type(error).__name__}: {error}"
+        for graphs in self.graphs:
+            graphs.release()
+        self.graphs.clear()
         # Before waiting for the workers: they free theirs once told to stop, and NCCL's
         # teardown of a healthy group may wait for every rank's.
         self._release_collectives()
