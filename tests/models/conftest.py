@@ -1,5 +1,7 @@
 """Tiny random HF checkpoints (made with transformers' save_pretrained) and a direct
 single-sequence driver of our model, shared by the model tests."""
+import inspect
+
 import pytest
 import torch
 
@@ -62,12 +64,24 @@ CHECKPOINTS = {
 }
 
 
+def _hf_norms_per_group() -> bool:
+    """Whether this transformers' GraniteMoeHybrid normalizes the gated RMSNorm per Mamba group
+    (transformers 5.17 normalizes over all groups at once: other tokens at n_groups > 1)."""
+    from transformers.models.granitemoehybrid import modeling_granitemoehybrid
+
+    return "group_size" in inspect.signature(modeling_granitemoehybrid.GraniteMoeHybridRMSNormGated).parameters
+
+
 def make_hf_checkpoint(path, name: str | tuple[str, str, dict], seed: int = 0, **save_kwargs):
     """Build the named tiny HF model (or a (config class, model class, kwargs) one) with random
     weights, save it to `path`, return the HF model."""
     import transformers
 
     config_cls, model_cls, kwargs = CHECKPOINTS[name] if isinstance(name, str) else name
+    if config_cls == "GraniteMoeHybridConfig" and kwargs.get("mamba_n_groups", 1) > 1 and not _hf_norms_per_group():
+        pytest.skip(f"transformers {transformers.__version__} normalizes GraniteMoeHybrid's gated RMSNorm over all "
+                    "Mamba groups at once, not per group as the checkpoints' mamba_ssm kernels and this engine do "
+                    "(later transformers, e.g. 5.24, do too): it is no oracle for mamba_n_groups > 1")
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs)).eval()
     with torch.no_grad():  # non-trivial values where HF's init leaves zeros / ones
