@@ -19,6 +19,7 @@ KV slot -1 and sequence length 0, so they never touch real state. Steps with pre
 chunks run eager (their shapes vary).
 """
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -48,6 +49,9 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = dict.fromkeys(self.widths, 0)  # replays per row width (tests, benchmarks)
         self.forward_replays = dict.fromkeys(self.widths, 0)  # of which forward graphs (penalties, logprobs)
+        # `release` may come from another thread (a tensor-parallel driver's watch thread):
+        # a graph is never destroyed between its lookup and its launch.
+        self._lock = threading.Lock()
 
     def padded_size(self, num_decode: int, num_prefill: int) -> int | None:
         """The captured batch size a step pads to, or None if it must run eager."""
@@ -71,8 +75,12 @@ class DecodeGraphs:
                         self._step(runner, plan, kind)
                     torch.cuda.synchronize()
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        out = self._step(runner, plan, kind)
+                    try:
+                        with torch.cuda.graph(graph, pool=pool):
+                            out = self._step(runner, plan, kind)
+                    except BaseException:
+                        graph.reset()  # (a partial graph may hold a collective: `release`)
+                        raise
                     self._graphs[(size, width, kind)] = (graph, out)
         torch.cuda.synchronize()
         logger.info("captured %d decode CUDA graphs (batch sizes %s, row widths %s) in %.1f s, %.1f MiB",
@@ -81,11 +89,13 @@ class DecodeGraphs:
     def release(self) -> None:
         """Destroy every graph now, not when the garbage collector gets to them: NCCL frees
         a communicator only once no graph holding its collectives is left (a tensor-parallel
-        rank's shutdown would wait forever). Later steps of this runner run eagerly."""
-        for graph, _ in self._graphs.values():
-            graph.reset()
-        self._graphs.clear()
-        self.sizes = []
+        rank's shutdown would wait forever). A graph still running is freed when it ends.
+        Later steps of this runner run eagerly. Any thread."""
+        with self._lock:
+            for graph, _ in self._graphs.values():
+                graph.reset()
+            self._graphs.clear()
+            self.sizes = []
 
     @staticmethod
     def _step(runner, plan, kind: str) -> torch.Tensor:
@@ -103,11 +113,12 @@ class DecodeGraphs:
             return None
         eager_sampler = plan.use_penalties or plan.num_logprobs >= 0
         kind = FORWARD if eager_sampler else GREEDY if plan.all_greedy else SAMPLING
-        entry = self._graphs.get((plan.num_decode, plan.decode_width, kind))
-        if entry is None:
-            return None
-        graph, out = entry
-        graph.replay()
+        with self._lock:
+            entry = self._graphs.get((plan.num_decode, plan.decode_width, kind))
+            if entry is None:
+                return None
+            graph, out = entry
+            graph.replay()
         self.replays[plan.decode_width] += 1
         if eager_sampler:
             self.forward_replays[plan.decode_width] += 1

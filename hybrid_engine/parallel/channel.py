@@ -3,22 +3,20 @@ loop that follows it.
 
 Every step the driver's runner writes the step into its pinned host buffer
 (`cache/step_buffer.py`); the workers hold runners with buffers of the same layout. The
-message is ONE broadcast of a fixed size: the step's shape (`StepHeader`, a few ints:
-which engine, the plan's sizes and sampler flags) followed by the bytes of the host buffer
-that the step uses (each field's leading rows, `StepBuffer.pack`: a few KB for a decode
-step, where the whole buffer holds every field's largest step); what does not fit
-(a prompt step's tokens, long contexts' block tables) follows in a second broadcast. Each
-rank writes the rows into its own buffer, makes its own single host-to-device copy and
-launches the same step. (A broadcast's latency, not its bytes, is most of its cost:
-measured on the CPU test machine, two broadcasts of 120 and 205 bytes took 1.4 ms a step,
-one of 64 KB 0.8 ms.)
+message is ONE message of the group's transport (`transport.py`: a shared-memory ring on
+one node, gloo broadcasts across nodes): the step's shape (`StepHeader`, a few ints: which
+engine, the plan's sizes and sampler flags), then the bytes of the host buffer that the
+step uses (each field's leading rows, `StepBuffer.pack`: a few hundred bytes for a decode
+step, where the whole buffer holds every field's largest step), then the device
+operations logged since the last step. Each rank writes the rows into its own buffer,
+makes its own single host-to-device copy and launches the same step.
 
 Device operations the driver's bookkeeping issues between steps -- a Mamba state copy
 (prefix-cache checkpoint, resume), a KV block copy (copy-on-write), a request's token
 history written from a cached prefix -- are logged by `DeviceOpLog` as they run on the
-driver and travel with the next step message (a third broadcast, only when there are
-some); the worker replays them before that step, which is where stream order put them on
-the driver (after every step launched before them, before every later one).
+driver and travel (pickled) at the end of the next step's message; the worker replays
+them before that step, which is where stream order put them on the driver (after every
+step launched before them, before every later one).
 
 Samples come back from rank 0 only: every rank samples the same gathered logits with the
 same seeds, so each keeps identical on-device samples (a launch-ahead step reads them),
@@ -29,9 +27,6 @@ from dataclasses import astuple, dataclass
 from typing import Any
 
 import numpy as np
-import torch
-import torch.distributed as dist
-
 from cache.step_buffer import StepBuffer
 from hybrid_engine.parallel.group import TensorParallelGroup
 from hybrid_engine.scheduler import SchedulerOutput
@@ -78,12 +73,10 @@ class StepHeader:
 
 
 _HEADER_BYTES = 8 * len(StepHeader.__dataclass_fields__)
-# The step's rows that ride in the header's broadcast (the rest follow in a second one).
-STEP_MESSAGE_ROW_BYTES = 1 << 16
 
 
-def _message_buffer() -> torch.Tensor:
-    return torch.empty(_HEADER_BYTES + STEP_MESSAGE_ROW_BYTES, dtype=torch.uint8)
+def _header_bytes(header: StepHeader) -> np.ndarray:
+    return np.array(astuple(header), dtype=np.int64).view(np.uint8)
 
 
 class DeviceOpLog:
@@ -115,7 +108,6 @@ class StepSender:
     def __init__(self, group: TensorParallelGroup, engine: int):
         self.group, self.engine = group, engine
         self.device_ops = DeviceOpLog()
-        self._message = _message_buffer()  # (a broadcast returns once sent: reused every step)
 
     def send(self, plan: StepPlan, buffer: StepBuffer) -> None:
         """Send a prepared step: header, the step's rows of the host buffer, and the device
@@ -124,17 +116,10 @@ class StepSender:
         self.group.check_workers()
         ops = self.device_ops.take()
         rows = buffer.pack(plan.extent)
-        first = min(len(rows), STEP_MESSAGE_ROW_BYTES)
         header = StepHeader.of_plan(self.engine, plan, buffer.nbytes, len(rows), len(ops))
-        message = self._message.numpy()
-        message[:_HEADER_BYTES] = np.array(astuple(header), dtype=np.int64).view(np.uint8)
-        message[_HEADER_BYTES:_HEADER_BYTES + first] = rows[:first]
+        message = np.concatenate([_header_bytes(header), rows, np.frombuffer(ops, dtype=np.uint8)])
         try:
-            _broadcast(self._message, self.group)
-            if len(rows) > first:
-                _broadcast(torch.from_numpy(rows[first:]), self.group)
-            if ops:
-                _broadcast(torch.frombuffer(bytearray(ops), dtype=torch.uint8), self.group)
+            self.group.messages.send(message, self.group.check_workers)
         except BaseException as error:  # (an interrupt too: the workers wait for the rest)
             self.group.mark_broken(error)
             raise
@@ -142,13 +127,8 @@ class StepSender:
     def send_stop(self) -> None:
         """Tell every worker to leave its loop."""
         fields = dict.fromkeys(StepHeader.__dataclass_fields__, 0)
-        self._message.numpy()[:_HEADER_BYTES] = np.array(astuple(StepHeader(**{**fields, "kind": KIND_STOP})),
-                                                         dtype=np.int64).view(np.uint8)
-        _broadcast(self._message, self.group)
-
-
-def _broadcast(t: torch.Tensor, group: TensorParallelGroup) -> None:
-    dist.broadcast(t, src=0, group=group.channel_group)
+        self.group.messages.send(_header_bytes(StepHeader(**{**fields, "kind": KIND_STOP})),
+                                 self.group.check_workers)
 
 
 def follow(group: TensorParallelGroup, targets: dict[int, dict[str, Any]]) -> None:
@@ -157,11 +137,9 @@ def follow(group: TensorParallelGroup, targets: dict[int, dict[str, Any]]) -> No
     `targets[engine]` maps the names of `DeviceOpLog.record` to that engine's objects whose
     methods replay them (`LLMEngine.device_op_targets`; its "runner" runs the steps).
     """
-    message = _message_buffer()
     while True:
-        _broadcast(message, group)
-        raw = message.numpy()
-        header = StepHeader(*raw[:_HEADER_BYTES].view(np.int64).tolist())
+        message = group.messages.receive()
+        header = StepHeader(*message[:_HEADER_BYTES].view(np.int64).tolist())
         if header.kind == KIND_STOP:
             return
         runner = targets[header.engine]["runner"]
@@ -169,16 +147,10 @@ def follow(group: TensorParallelGroup, targets: dict[int, dict[str, Any]]) -> No
             raise RuntimeError(f"engine {header.engine}: the driver's step buffer is {header.buffer_bytes} bytes, "
                                f"this rank's {runner.buffer.nbytes}: their layouts differ")
         plan = header.plan()
-        rows = raw[_HEADER_BYTES:_HEADER_BYTES + min(header.step_bytes, STEP_MESSAGE_ROW_BYTES)]
-        if header.step_bytes > STEP_MESSAGE_ROW_BYTES:
-            rest = torch.empty(header.step_bytes - STEP_MESSAGE_ROW_BYTES, dtype=torch.uint8)
-            _broadcast(rest, group)
-            rows = np.concatenate([rows, rest.numpy()])
-        runner.buffer.unpack(plan.extent, rows, scramble_stale=runner.check_steady_decode)
+        rows_end = _HEADER_BYTES + header.step_bytes
+        runner.buffer.unpack(plan.extent, message[_HEADER_BYTES:rows_end], scramble_stale=runner.check_steady_decode)
         if header.device_ops_bytes:
-            ops = torch.empty(header.device_ops_bytes, dtype=torch.uint8)
-            _broadcast(ops, group)
-            for target, op, args in pickle.loads(np.asarray(ops).tobytes()):
+            for target, op, args in pickle.loads(message[rows_end:rows_end + header.device_ops_bytes].tobytes()):
                 getattr(targets[header.engine][target], op)(*args)
         runner.buffer.sync()
         runner.launch(plan)

@@ -15,10 +15,12 @@ its node and each other node runs `python -m hybrid_engine.parallel.worker
 --node-rank K --nproc-per-node L` (docs/parallel.md).
 
 Two process groups: the default group (NCCL on CUDA, gloo on CPU) carries the model's
-collectives; a gloo group carries the per-step messages between host buffers and waits
-without a deadline (a worker idles there between requests). A worker that dies breaks
-the collectives of every rank at once (gloo reports the closed connection); the driver
-also polls its local workers before every step and after every wait for a step's samples.
+collectives; a gloo group carries the start-up messages and, across nodes, the per-step
+messages, waiting without a deadline (a worker idles there between requests). On one
+node the step messages go through a shared-memory ring instead (`transport.py`). A
+worker that dies breaks the collectives of every rank at once (gloo reports the closed
+connection); the driver also polls its local workers before every step, while it waits
+for a worker to free a slot of the ring, and after every wait for a step's samples.
 NCCL does not notice a dead peer: its kernels wait for it forever, and so would the
 driver's wait for that step. So on CUDA a thread of the driver watches its local workers
 and aborts the NCCL communicators when one exits, which ends those kernels (their
@@ -43,13 +45,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybrid_engine.parallel.transport import GlooTransport, MessageTransport, SharedMemoryTransport
 from layers.parallel import ParallelContext
 
 logger = logging.getLogger(__name__)
 
 # The model's collectives: long enough for a first step that compiles kernels on every rank.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
-# The step channel: a worker waits here for the next step for as long as the server idles.
+# The gloo channel: across nodes a worker waits here for the next step as long as the server idles.
 CHANNEL_TIMEOUT = datetime.timedelta(days=365)
 # How long shutdown waits for workers to exit by themselves before killing them.
 WORKER_EXIT_TIMEOUT_S = 10.0
@@ -86,6 +89,9 @@ class TensorParallelGroup:
     device: torch.device
     workers: list[subprocess.Popen] = field(default_factory=list)
     store: Any = None  # the one-node rendezvous store (startup errors travel through it)
+    # The per-step messages from the driver (`channel.py`): a shared-memory ring when every
+    # rank is on the driver's node, gloo broadcasts across nodes.
+    messages: MessageTransport | None = None
     broken: str | None = None  # why the group broke, once it has
     # CUDA graphs (`DecodeGraphs`) that captured this group's collectives: destroyed before
     # the communicators are freed, which NCCL does only once no such graph is left.
@@ -142,13 +148,17 @@ class TensorParallelGroup:
             store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                                   timeout=COLLECTIVE_TIMEOUT)
             address = f"127.0.0.1:{store.port}"
+            messages = SharedMemoryTransport.create(world_size - 1)
             workers = [_spawn_worker(["--store", address, "--rank", str(r), "--world-size", str(world_size),
-                                      "--device-type", device_type], {})
+                                      "--device-type", device_type, "--step-messages", messages.path], {})
                        for r in range(1, world_size)]
             rendezvous = None
         try:
             if store is not None:
-                _wait_for_workers(store, workers)
+                try:
+                    _wait_for_workers(store, workers)  # (each worker opened the ring before it joined)
+                finally:
+                    messages.unlink()
             group = cls._join(0, world_size, expert_parallel, device, store, rendezvous)
         except BaseException:
             _stop(workers, 0.0)
@@ -156,22 +166,27 @@ class TensorParallelGroup:
                 dist.destroy_process_group()
             raise
         group.workers, group.store = workers, store
+        group.messages = messages if store is not None else GlooTransport(group.channel_group)
         if on_cuda and workers:
             threading.Thread(target=group._watch_workers, name="tp-worker-watch", daemon=True).start()
         return group
 
     @classmethod
-    def join(cls, rank: int, world_size: int, device_type: str, local_rank: int,
-             store_address: str | None) -> tuple["TensorParallelGroup", Any]:
-        """Join the group from a worker; returns it and the driver's engine config."""
-        store = None
+    def join(cls, rank: int, world_size: int, device_type: str, local_rank: int, store_address: str | None,
+             messages_path: str | None = None) -> tuple["TensorParallelGroup", Any]:
+        """Join the group from a worker; returns it and the driver's engine config.
+        `messages_path`: the driver's shared-memory ring of step messages (one node)."""
+        store = messages = None
         if store_address is not None:
             host, port = store_address.rsplit(":", 1)
             store = dist.TCPStore(host, int(port), world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+            if messages_path is not None:  # (opened before joining: the driver then unlinks it)
+                messages = SharedMemoryTransport(messages_path, reader=rank - 1)
             store.set(f"{_JOINED_KEY}/{rank}", "1")
         device = f"cuda:{local_rank}" if device_type == "cuda" else "cpu"
         group = cls._join(rank, world_size, False, device, store, None if store else "env://")
         group.store = store
+        group.messages = messages or GlooTransport(group.channel_group)
         config = group.receive_object()
         group.context = ParallelContext(rank, world_size, config.enable_expert_parallel, group.context.group)
         return group, dataclasses.replace(config, device=str(group.device))
@@ -260,13 +275,21 @@ class TensorParallelGroup:
             time.sleep(WATCH_INTERVAL_S)
 
     def _abort_device_collectives(self) -> None:
-        """The watch thread: abort the NCCL communicator. Its kernels quit at once; the
-        abort itself returns once the main thread has destroyed the graphs holding them
-        (`shutdown`, when the engine fails its requests). Not `_abort_process_group`: that
-        waits for the graphs holding the interpreter lock, so the main thread never could."""
+        """The watch thread: destroy the graphs, then abort the NCCL communicator. Its
+        kernels quit at once, the graphs they ran in are freed as they end, and the abort
+        returns then (it waits for those graphs). The main thread may be waiting for that
+        step, or blocked in a collective of an eager step: it waits for this abort, then
+        fails on the broken group. Not `_abort_process_group`, which would wait holding the
+        interpreter lock."""
         with self._teardown:
+            self._release_graphs()
             if dist.is_initialized():
                 dist.group.WORLD._get_backend(self.device).abort()
+
+    def _release_graphs(self) -> None:
+        for graphs in self.graphs:
+            graphs.release()
+        self.graphs.clear()
 
     def _release_collectives(self) -> None:
         """Free this rank's process groups, once, whichever thread comes first. On CUDA they
@@ -299,9 +322,10 @@ class TensorParallelGroup:
         self.broken = f"a tensor-parallel collective failed: {type(error).__name__}: {error}"
 
     def shutdown(self, send_stop: Any = None) -> None:
-        """Driver: stop the workers (`send_stop()` tells them, when the group is healthy),
-        free the process groups, then wait for the workers to exit (killing them after a
-        while). Idempotent."""
+        """Stop the workers (driver: `send_stop()` tells them, when the group is healthy),
+        destroy the CUDA graphs holding the group's collectives, free the process groups,
+        then wait for the workers to exit (killing them after a while). A worker calls it
+        at its end. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -311,9 +335,8 @@ class TensorParallelGroup:
             except Exception as error:  # a worker already gone: it is killed below
                 logger.warning("could not tell the tensor-parallel workers to stop: %s", error)
                 self.broken = f"could not tell the workers to stop: {type(error).__name__}: {error}"
-        for graphs in self.graphs:
-            graphs.release()
-        self.graphs.clear()
+        with self._teardown:
+            self._release_graphs()
         # Before waiting for the workers: they free theirs once told to stop, and NCCL's
         # teardown of a healthy group may wait for every rank's.
         self._release_collectives()

@@ -39,13 +39,15 @@ def _exit_when_stdin_closes() -> None:
     threading.Thread(target=watch, name="driver-watch", daemon=True).start()
 
 
-def run_rank(rank: int, world_size: int, local_rank: int, store: str | None, device_type: str) -> None:
-    """Join the group as `rank`, build the engine, follow the driver's steps."""
+def run_rank(rank: int, world_size: int, local_rank: int, store: str | None, device_type: str,
+             messages: str | None = None) -> None:
+    """Join the group as `rank`, build the engine, follow the driver's steps (`messages`:
+    the path of the driver's shared-memory ring of step messages, one node)."""
     from hybrid_engine.engine import LLMEngine
     from hybrid_engine.parallel.channel import follow
     from hybrid_engine.parallel.group import TensorParallelGroup
 
-    group, config = TensorParallelGroup.join(rank, world_size, device_type, local_rank, store)
+    group, config = TensorParallelGroup.join(rank, world_size, device_type, local_rank, store, messages)
     if config.device.startswith("cpu"):
         # Ranks share the node's cores: one rank per core group, not all ranks on all cores.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -53,13 +55,16 @@ def run_rank(rank: int, world_size: int, local_rank: int, store: str | None, dev
         engine = LLMEngine(config, group=group)
     except BaseException as error:
         group.confirm_started(error)  # the driver raises it, naming this rank
+        group.shutdown()
         raise
     group.confirm_started()
     targets = {0: engine.device_op_targets()}
     if engine.draft_engine is not None:
         targets[1] = engine.draft_engine.device_op_targets()
-    follow(group, targets)
-    group.shutdown()
+    try:
+        follow(group, targets)
+    finally:  # (the graphs go before the communicator, or its teardown at exit waits for them)
+        group.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -69,12 +74,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--world-size", type=int)
     p.add_argument("--device-type", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
                    help="the driver's device type (default: cuda when available)")
+    p.add_argument("--step-messages", help="path of the driver's shared-memory ring of step messages (one node)")
     p.add_argument("--env", action="store_true", help="rendezvous through env:// (RANK, WORLD_SIZE, MASTER_ADDR, ...)")
     p.add_argument("--watch-stdin", action="store_true", help="exit when stdin closes (the driver is gone)")
     p.add_argument("--node-rank", type=int, help="start this node's ranks of a multi-node group (env://)")
     p.add_argument("--nproc-per-node", type=int, help="ranks per node (with --node-rank)")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format=f"[tp worker %(process)d] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="[tp worker %(process)d] %(levelname)s %(name)s: %(message)s")
     if args.node_rank is not None:
         _start_node(args.node_rank, args.nproc_per_node, args.device_type)
         return
@@ -84,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         run_rank(rank, world, int(os.environ.get("LOCAL_RANK", rank)), None, args.device_type)
     else:
-        run_rank(args.rank, args.world_size, args.rank, args.store, args.device_type)
+        run_rank(args.rank, args.world_size, args.rank, args.store, args.device_type, args.step_messages)
 
 
 def _start_node(node_rank: int, nproc: int, device_type: str) -> None:

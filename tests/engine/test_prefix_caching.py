@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from hybrid_engine import LLM, SamplingParams
-from tests.models.conftest import make_hf_checkpoint
+from tests.models.conftest import make_hf_checkpoint, skip_unless_hf_oracle
 
 MODELS = ("nemotron_moe_sharp_open", "granite_moe_rope_sharp")
 TOP_K = 2
@@ -139,6 +139,7 @@ def hf_logprobs(hf, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """HF's log_softmax for each of `tokens` after `prompt`, from ONE cache-free forward over
     prompt + tokens[:-1]: every token processed as a prompt token, as an uncached prefill
     of the next turn processes the previous answer. ([len(tokens), vocab])"""
+    skip_unless_hf_oracle(hf)
     with torch.no_grad():
         logits = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
     return torch.log_softmax(logits.double(), dim=-1)

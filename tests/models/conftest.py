@@ -64,12 +64,25 @@ CHECKPOINTS = {
 }
 
 
-def _hf_norms_per_group() -> bool:
-    """Whether this transformers' GraniteMoeHybrid normalizes the gated RMSNorm per Mamba group
-    (transformers 5.17 normalizes over all groups at once: other tokens at n_groups > 1)."""
+def is_hf_oracle(hf) -> bool:
+    """Whether this transformers computes `hf` as the checkpoint's own kernels do. Not so in
+    transformers 5.17 for GraniteMoeHybrid with more than one Mamba group: it normalizes the
+    gated RMSNorm over all groups at once, where mamba_ssm (and this engine, and
+    transformers 5.24) normalize each group."""
     from transformers.models.granitemoehybrid import modeling_granitemoehybrid
 
-    return "group_size" in inspect.signature(modeling_granitemoehybrid.GraniteMoeHybridRMSNormGated).parameters
+    per_group = "group_size" in inspect.signature(modeling_granitemoehybrid.GraniteMoeHybridRMSNormGated).parameters
+    return per_group or hf.config.model_type != "granitemoehybrid" or hf.config.mamba_n_groups == 1
+
+
+def skip_unless_hf_oracle(hf) -> None:
+    """Skip the calling test where `hf` is no oracle (`is_hf_oracle`)."""
+    import transformers
+
+    if not is_hf_oracle(hf):
+        pytest.skip(f"transformers {transformers.__version__} normalizes GraniteMoeHybrid's gated RMSNorm over all "
+                    "Mamba groups at once, not per group as the checkpoints' mamba_ssm kernels and this engine do "
+                    "(later transformers, e.g. 5.24, do too): no oracle for mamba_n_groups > 1")
 
 
 def make_hf_checkpoint(path, name: str | tuple[str, str, dict], seed: int = 0, **save_kwargs):
@@ -78,10 +91,6 @@ def make_hf_checkpoint(path, name: str | tuple[str, str, dict], seed: int = 0, *
     import transformers
 
     config_cls, model_cls, kwargs = CHECKPOINTS[name] if isinstance(name, str) else name
-    if config_cls == "GraniteMoeHybridConfig" and kwargs.get("mamba_n_groups", 1) > 1 and not _hf_norms_per_group():
-        pytest.skip(f"transformers {transformers.__version__} normalizes GraniteMoeHybrid's gated RMSNorm over all "
-                    "Mamba groups at once, not per group as the checkpoints' mamba_ssm kernels and this engine do "
-                    "(later transformers, e.g. 5.24, do too): it is no oracle for mamba_n_groups > 1")
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs)).eval()
     with torch.no_grad():  # non-trivial values where HF's init leaves zeros / ones
@@ -147,6 +156,7 @@ def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> tuple[list[int], to
     """transformers' greedy continuation of `prompt` with its cache (prompt prefilled by the
     chunked scan, each generated token a recurrent decode step: the engine's semantics), and
     the log_softmax of its raw logits at every generated position ([max_new_tokens, vocab])."""
+    skip_unless_hf_oracle(hf)
     ids = torch.tensor([prompt])
     # (An explicit mask: generate would mask out prompt tokens equal to pad_token_id.)
     out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from hybrid_engine import LLM, SamplingParams
-from tests.models.conftest import SingleSequence, hf_greedy
+from tests.models.conftest import SingleSequence, hf_greedy, skip_unless_hf_oracle
 
 PROMPT_LEN = 11
 
@@ -15,6 +15,7 @@ def _prompt(vocab: int, seed: int = 0, n: int = PROMPT_LEN) -> list[int]:
 def test_prefill_logits_match_hf(hf_checkpoint):
     _, path, hf = hf_checkpoint
     ids = _prompt(hf.config.vocab_size)
+    skip_unless_hf_oracle(hf)
     ours = SingleSequence(path).feed(ids)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()

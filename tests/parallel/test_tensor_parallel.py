@@ -40,24 +40,27 @@ def test_four_ranks_replicated_kv_heads_and_groups_match_hf_async_with_rejection
         llm.shutdown()
 
 
-def test_a_step_whose_rows_overflow_the_message_sends_the_rest_in_a_second_broadcast(nemotron, monkeypatch):
-    """A 3,000-token prompt in one step: its rows pass the message's 64 KiB, the rest follow
-    in a second broadcast, and the tokens equal one process's."""
-    import hybrid_engine.parallel.channel as channel
+def test_a_step_message_longer_than_the_ring_laps_it_and_equals_one_process(nemotron, monkeypatch):
+    """A 3,000-token prompt in one step, through a ring of 4 KiB slots (the driver's shape
+    reaches the workers in the file): its message spans more chunks than the ring has
+    slots, so the driver waits for the workers to free them; the tokens and logprobs equal
+    one process's."""
+    from hybrid_engine.parallel import transport
 
-    sizes = []
-    broadcast = channel._broadcast
-    monkeypatch.setattr(channel, "_broadcast", lambda t, group: (sizes.append(t.numel()), broadcast(t, group)))
+    monkeypatch.setattr(transport, "SLOT_BYTES", 4096)
+    lengths = []
+    send = transport.SharedMemoryTransport.send
+    monkeypatch.setattr(transport.SharedMemoryTransport, "send",
+                        lambda self, message, check=None: (lengths.append(len(message)), send(self, message, check)))
     prompt = torch.randint(3, 96, (3000,), generator=torch.Generator().manual_seed(5)).tolist()
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
-    options = dict(max_num_batched_tokens=4096, max_model_len=3100, enable_prefix_caching=False)  # (no device ops)
+    options = dict(max_num_batched_tokens=4096, max_model_len=3100, enable_prefix_caching=False)
     llm = _llm(nemotron.path, 2, **options)
     try:
         [parallel] = generate(llm, [prompt], params)
     finally:
         llm.shutdown()
-    message = channel._HEADER_BYTES + channel.STEP_MESSAGE_ROW_BYTES
-    assert message in sizes and any(n != message for n in sizes)  # the overflow, on its own
+    assert max(lengths) > 4096 * transport.NUM_SLOTS
     [single] = generate(LLM(model=nemotron.path, device="cpu", dtype="float32", kv_block_size=4, **options),
                         [prompt], params)
     assert parallel.output_token_ids == single.output_token_ids

@@ -29,10 +29,11 @@ def test_two_gpus_match_hf_with_graphs_launch_ahead_and_rejections(model, reques
         oracle.check(generate(llm, oracle.prompts))
         stats, graphs = llm.engine.stats(), llm.engine.runner.graphs
         assert graphs is not None and sum(graphs.replays.values()) > 0
+        assert graphs in llm.engine.group.graphs  # (destroyed before NCCL's communicator at shutdown)
         assert stats["rejected_launches"] > 0 and stats["launch_ahead_steps"] > 0
     finally:
         llm.shutdown()
-    assert not dist.is_initialized()
+    assert not dist.is_initialized() and not graphs.sizes
 
 
 def test_two_gpus_expert_parallel_matches_hf(nemotron):
