@@ -52,6 +52,7 @@ class DecodeGraphs:
         # `release` may come from another thread (a tensor-parallel driver's watch thread):
         # a graph is never destroyed between its lookup and its launch.
         self._lock = threading.Lock()
+        self._released = False
 
     def padded_size(self, num_decode: int, num_prefill: int) -> int | None:
         """The captured batch size a step pads to, or None if it must run eager."""
@@ -81,7 +82,11 @@ class DecodeGraphs:
                     except BaseException:
                         graph.reset()  # (a partial graph may hold a collective: `release`)
                         raise
-                    self._graphs[(size, width, kind)] = (graph, out)
+                    with self._lock:
+                        if self._released:  # (a worker died: the watch thread released the others)
+                            graph.reset()
+                            raise RuntimeError("decode graphs released during their capture")
+                        self._graphs[(size, width, kind)] = (graph, out)
         torch.cuda.synchronize()
         logger.info("captured %d decode CUDA graphs (batch sizes %s, row widths %s) in %.1f s, %.1f MiB",
                     len(self._graphs), self.sizes, self.widths, time.perf_counter() - start, (torch.cuda.memory_allocated() - mem_before) / 2**20)
@@ -96,6 +101,7 @@ class DecodeGraphs:
                 graph.reset()
             self._graphs.clear()
             self.sizes = []
+            self._released = True
 
     @staticmethod
     def _step(runner, plan, kind: str) -> torch.Tensor:
