@@ -23,16 +23,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hybrid_engine.parallel.transport import GlooTransport, SharedMemoryTransport  # noqa: E402
 
 
-def _open(kind: str, rank: int, world: int, port: int, ring_path: str | None):
+def _open(kind: str, rank: int, world: int, port: int, ring: str | None):
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     if kind == "gloo":
         return GlooTransport(dist.group.WORLD)
-    return SharedMemoryTransport(ring_path, reader=rank - 1)
+    return SharedMemoryTransport(os.open(ring, os.O_RDWR), reader=rank - 1)  # (the driver's fd, via /proc)
 
 
-def _worker(kind: str, rank: int, world: int, port: int, ring_path: str | None, count: int, results) -> None:
-    pipe = _open(kind, rank, world, port, ring_path)
+def _worker(kind: str, rank: int, world: int, port: int, ring: str | None, count: int, results) -> None:
+    pipe = _open(kind, rank, world, port, ring)
     dist.barrier()
     arrivals = []
     for _ in range(count):
@@ -50,7 +50,8 @@ def run(kind: str, workers: int, size: int, count: int, interval_s: float) -> tu
     ring = SharedMemoryTransport.create(workers) if kind == "shm" else None
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    procs = [context.Process(target=_worker, args=(kind, r, world, store.port, ring and ring.path, count, results))
+    ring_path = ring and f"/proc/{os.getpid()}/fd/{ring.fd}"  # (Linux)
+    procs = [context.Process(target=_worker, args=(kind, r, world, store.port, ring_path, count, results))
              for r in range(1, world)]
     for p in procs:
         p.start()
@@ -58,7 +59,7 @@ def run(kind: str, workers: int, size: int, count: int, interval_s: float) -> tu
     pipe = ring or GlooTransport(dist.group.WORLD)
     dist.barrier()
     if ring is not None:
-        ring.unlink()
+        ring.close_fd()
     message = np.zeros(max(size, 8), dtype=np.uint8)
     sends = []
     for _ in range(count):

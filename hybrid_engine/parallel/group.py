@@ -149,16 +149,17 @@ class TensorParallelGroup:
                                   timeout=COLLECTIVE_TIMEOUT)
             address = f"127.0.0.1:{store.port}"
             messages = SharedMemoryTransport.create(world_size - 1)
-            workers = [_spawn_worker(["--store", address, "--rank", str(r), "--world-size", str(world_size),
-                                      "--device-type", device_type, "--step-messages", messages.path], {})
-                       for r in range(1, world_size)]
+            try:
+                workers = [_spawn_worker(["--store", address, "--rank", str(r), "--world-size", str(world_size),
+                                          "--device-type", device_type, "--step-messages-fd", str(messages.fd)],
+                                         {}, pass_fds=(messages.fd,))
+                           for r in range(1, world_size)]
+            finally:
+                messages.close_fd()  # (each worker has it open now)
             rendezvous = None
         try:
             if store is not None:
-                try:
-                    _wait_for_workers(store, workers)  # (each worker opened the ring before it joined)
-                finally:
-                    messages.unlink()
+                _wait_for_workers(store, workers)
             group = cls._join(0, world_size, expert_parallel, device, store, rendezvous)
         except BaseException:
             _stop(workers, 0.0)
@@ -173,15 +174,17 @@ class TensorParallelGroup:
 
     @classmethod
     def join(cls, rank: int, world_size: int, device_type: str, local_rank: int, store_address: str | None,
-             messages_path: str | None = None) -> tuple["TensorParallelGroup", Any]:
+             messages_fd: int | None = None) -> tuple["TensorParallelGroup", Any]:
         """Join the group from a worker; returns it and the driver's engine config.
-        `messages_path`: the driver's shared-memory ring of step messages (one node)."""
+        `messages_fd`: the inherited descriptor of the driver's shared-memory ring of step
+        messages (one node)."""
         store = messages = None
+        if messages_fd is not None:
+            messages = SharedMemoryTransport(messages_fd, reader=rank - 1)
+            messages.close_fd()
         if store_address is not None:
             host, port = store_address.rsplit(":", 1)
             store = dist.TCPStore(host, int(port), world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
-            if messages_path is not None:  # (opened before joining: the driver then unlinks it)
-                messages = SharedMemoryTransport(messages_path, reader=rank - 1)
             store.set(f"{_JOINED_KEY}/{rank}", "1")
         device = f"cuda:{local_rank}" if device_type == "cuda" else "cpu"
         group = cls._join(rank, world_size, False, device, store, None if store else "env://")
@@ -371,7 +374,7 @@ def _wait_for_workers(store: Any, workers: list[subprocess.Popen]) -> None:
         time.sleep(0.01)
 
 
-def _spawn_worker(args: list[str], env: dict[str, str]) -> subprocess.Popen:
+def _spawn_worker(args: list[str], env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
     """Start one worker process running `hybrid_engine.parallel.worker`; the package root
     goes first on its PYTHONPATH so it imports the same code as the driver."""
     child_env = dict(os.environ, **env)
@@ -379,5 +382,5 @@ def _spawn_worker(args: list[str], env: dict[str, str]) -> subprocess.Popen:
     # stdin is a pipe the worker watches: its end means the driver process is gone.
     # start_new_session: a terminal's Ctrl-C reaches the driver only (which decides).
     return subprocess.Popen([sys.executable, "-m", "hybrid_engine.parallel.worker", "--watch-stdin", *args],
-                            env=child_env, stdin=subprocess.PIPE, start_new_session=True)
+                            env=child_env, stdin=subprocess.PIPE, start_new_session=True, pass_fds=pass_fds)
 

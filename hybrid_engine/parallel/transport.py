@@ -43,9 +43,14 @@ _fence_lock = threading.Lock()
 
 
 def _fence() -> None:
-    """A full memory barrier between this process's stores (or loads) to the shared file:
-    acquiring and releasing a lock issues one (the same trick as vLLM's shared-memory
-    broadcast); x86 keeps stores in order anyway, Arm (Grace Hopper) does not."""
+    """A barrier between this process's accesses to the shared file before it and after it.
+    x86 keeps stores (and loads) in order anyway; Arm (Grace Hopper) does not. One cycle of
+    a lock (an acquire, then a release) does not order an access before it against one
+    after it: the earlier may sink below the acquire, the later rise above the release.
+    Two cycles do, since a release and a later acquire stay in order (on Arm too): every
+    access before the first release comes before every access after the second acquire."""
+    with _fence_lock:
+        pass
     with _fence_lock:
         pass
 
@@ -102,21 +107,16 @@ class SharedMemoryTransport:
     slot k % slots once every reader has consumed that slot's previous chunk: the writer
     stores the chunk, then (after a barrier) its number, which is what readers poll for.
     A message longer than a slot takes consecutive chunks.
+
+    The file has no name: the driver unlinks it as soon as it is made, and its workers
+    inherit the open descriptor (`fd`), so nothing is left behind however the processes end.
     """
 
-    def __init__(self, path: str, reader: int | None, shape: tuple[int, int, int] | None = None):
-        """Open the ring at `path` as `reader` (a worker), or create it as its writer
+    def __init__(self, fd: int, reader: int | None, shape: tuple[int, int, int] | None = None):
+        """Map the ring open at `fd` as `reader` (a worker), or lay it out as its writer
         (`reader` None; `shape`: slots, slot bytes, readers)."""
-        self.path, self.reader = path, reader
-        if reader is None:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            os.ftruncate(fd, _file_bytes(*shape))
-        else:
-            fd = os.open(path, os.O_RDWR)
-        try:
-            self._map = mmap.mmap(fd, 0)
-        finally:
-            os.close(fd)
+        self.fd, self.reader = fd, reader
+        self._map = mmap.mmap(fd, 0)
         lines = np.frombuffer(self._map, dtype=np.int64, count=_LINE)
         if reader is None:
             lines[:3] = shape
@@ -127,24 +127,36 @@ class SharedMemoryTransport:
         self._data = np.frombuffer(self._map, dtype=np.uint8, offset=_control_bytes(num_slots, num_readers)
                                    ).reshape(num_slots, slot_bytes)
         self._next = 1  # the next chunk number to write (driver) or read (this worker)
+        self._partial = False  # a send was interrupted: the readers hold part of a message
 
     @classmethod
     def create(cls, num_readers: int) -> "SharedMemoryTransport":
-        """Driver: a new ring of NUM_SLOTS x SLOT_BYTES in a fresh file (under /dev/shm
-        where there is one), which it unlinks once the workers have opened it (`unlink`)."""
+        """Driver: a new ring of NUM_SLOTS x SLOT_BYTES in a file under /dev/shm (where there
+        is one), unlinked at once; hand `fd` to the workers (`subprocess.Popen(pass_fds=)`)
+        and `close_fd` once they have mapped it."""
+        if not 1 <= NUM_SLOTS <= _LINE:  # (each reader's acks fill one line)
+            raise ValueError(f"the ring holds 1 to {_LINE} slots, got {NUM_SLOTS}")
         root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
         path = os.path.join(root, f"hybrid_engine_steps_{os.getpid()}_{uuid.uuid4().hex[:12]}")
-        return cls(path, None, (NUM_SLOTS, SLOT_BYTES, num_readers))
-
-    def unlink(self) -> None:
-        """Remove the file's name (the mapping stays): nothing is left behind however the
-        processes end."""
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.unlink(path)
         try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+            os.ftruncate(fd, _file_bytes(NUM_SLOTS, SLOT_BYTES, num_readers))
+            return cls(fd, None, (NUM_SLOTS, SLOT_BYTES, num_readers))
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def close_fd(self) -> None:
+        """Close the descriptor (the mapping stays)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
     def send(self, message: np.ndarray, check: Callable[[], None] | None = None) -> None:
+        if self._partial:
+            raise RuntimeError("an interrupted send left part of a message in the ring: the workers are out of step")
+        self._partial = True  # (until the whole message is in)
         num_slots, slot_bytes = self._data.shape
         length, offset = len(message), 0
         while True:
@@ -159,6 +171,7 @@ class SharedMemoryTransport:
             self._next += 1
             offset += len(chunk)
             if offset >= length:
+                self._partial = False
                 return
 
     def receive(self) -> np.ndarray:

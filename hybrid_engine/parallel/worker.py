@@ -40,14 +40,14 @@ def _exit_when_stdin_closes() -> None:
 
 
 def run_rank(rank: int, world_size: int, local_rank: int, store: str | None, device_type: str,
-             messages: str | None = None) -> None:
-    """Join the group as `rank`, build the engine, follow the driver's steps (`messages`:
-    the path of the driver's shared-memory ring of step messages, one node)."""
+             messages_fd: int | None = None) -> None:
+    """Join the group as `rank`, build the engine, follow the driver's steps (`messages_fd`:
+    the inherited descriptor of the driver's shared-memory ring of step messages, one node)."""
     from hybrid_engine.engine import LLMEngine
     from hybrid_engine.parallel.channel import follow
     from hybrid_engine.parallel.group import TensorParallelGroup
 
-    group, config = TensorParallelGroup.join(rank, world_size, device_type, local_rank, store, messages)
+    group, config = TensorParallelGroup.join(rank, world_size, device_type, local_rank, store, messages_fd)
     if config.device.startswith("cpu"):
         # Ranks share the node's cores: one rank per core group, not all ranks on all cores.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--world-size", type=int)
     p.add_argument("--device-type", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
                    help="the driver's device type (default: cuda when available)")
-    p.add_argument("--step-messages", help="path of the driver's shared-memory ring of step messages (one node)")
+    p.add_argument("--step-messages-fd", type=int,
+                   help="inherited descriptor of the driver's shared-memory ring of step messages (one node)")
     p.add_argument("--env", action="store_true", help="rendezvous through env:// (RANK, WORLD_SIZE, MASTER_ADDR, ...)")
     p.add_argument("--watch-stdin", action="store_true", help="exit when stdin closes (the driver is gone)")
     p.add_argument("--node-rank", type=int, help="start this node's ranks of a multi-node group (env://)")
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         run_rank(rank, world, int(os.environ.get("LOCAL_RANK", rank)), None, args.device_type)
     else:
-        run_rank(args.rank, args.world_size, args.rank, args.store, args.device_type, args.step_messages)
+        run_rank(args.rank, args.world_size, args.rank, args.store, args.device_type, args.step_messages_fd)
 
 
 def _start_node(node_rank: int, nproc: int, device_type: str) -> None:

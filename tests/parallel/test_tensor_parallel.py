@@ -279,7 +279,7 @@ def test_a_worker_that_exits_before_joining_fails_the_start_at_once(nemotron, mo
     from hybrid_engine.parallel import group
 
     spawn = group._spawn_worker
-    monkeypatch.setattr(group, "_spawn_worker", lambda args, env: spawn([*args, "--no-such-flag"], env))
+    monkeypatch.setattr(group, "_spawn_worker", lambda args, env, **kw: spawn([*args, "--no-such-flag"], env, **kw))
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="rank 1 exited with code 2 before joining"):
         _llm(nemotron.path, 2)

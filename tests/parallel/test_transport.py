@@ -4,6 +4,7 @@ every message, whole and in order, whatever its length -- through the shared-mem
 past the first broadcast's fixed size)."""
 import multiprocessing
 import os
+import tempfile
 import threading
 import time
 
@@ -28,6 +29,33 @@ def _before(deadline: float) -> None:
         raise TimeoutError("the writer is still waiting for its readers")
 
 
+def test_ring_has_at_most_one_line_of_slots(monkeypatch):
+    monkeypatch.setattr(transport, "NUM_SLOTS", 9)
+    with pytest.raises(ValueError, match="1 to 8 slots"):
+        SharedMemoryTransport.create(num_readers=1)
+
+
+def test_an_interrupted_send_makes_every_later_send_fail(monkeypatch):
+    """A send cut off mid-message (an interrupt) leaves the readers waiting for the rest:
+    the next message would be read as its continuation, so the ring refuses it."""
+    monkeypatch.setattr(transport, "SLOT_BYTES", SLOT)
+    writer = SharedMemoryTransport.create(num_readers=1)
+    SharedMemoryTransport(writer.fd, reader=0)
+    writer.close_fd()
+    calls = []
+
+    def interrupt() -> None:
+        calls.append(1)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(transport, "CHECK_S", 0.0)
+    with pytest.raises(KeyboardInterrupt):  # (the 5th chunk waits for the reader, and `check` interrupts)
+        writer.send(np.zeros(5 * SLOT, dtype=np.uint8), check=interrupt)
+    assert calls
+    with pytest.raises(RuntimeError, match="interrupted send"):
+        writer.send(np.zeros(1, dtype=np.uint8))
+
+
 def _messages(lengths: list[int]) -> list[np.ndarray]:
     gen = np.random.default_rng(0)
     return [gen.integers(0, 256, n, dtype=np.uint8) for n in lengths]
@@ -37,9 +65,10 @@ def test_ring_delivers_every_message_whole_and_in_order_to_every_reader(monkeypa
     monkeypatch.setattr(transport, "SLOT_BYTES", SLOT)
     monkeypatch.setattr(transport, "NUM_SLOTS", 3)
     writer = SharedMemoryTransport.create(num_readers=2)
-    readers = [SharedMemoryTransport(writer.path, reader=r) for r in range(2)]
-    writer.unlink()  # (open mappings outlive the name)
-    assert not os.path.exists(writer.path)
+    readers = [SharedMemoryTransport(writer.fd, reader=r) for r in range(2)]
+    writer.close_fd()  # (the mappings stay)
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    assert not [name for name in os.listdir(root) if name.startswith(f"hybrid_engine_steps_{os.getpid()}_")]
     sent = _messages(LENGTHS * 3)
     received: dict[int, list[np.ndarray]] = {0: [], 1: []}
 
@@ -67,8 +96,8 @@ def test_ring_writer_waits_for_a_slow_reader_and_checks_its_health(monkeypatch):
     monkeypatch.setattr(transport, "NUM_SLOTS", 2)
     monkeypatch.setattr(transport, "CHECK_S", 0.0)
     writer = SharedMemoryTransport.create(num_readers=1)
-    SharedMemoryTransport(writer.path, reader=0)  # a reader that never reads
-    writer.unlink()
+    SharedMemoryTransport(writer.fd, reader=0)  # a reader that never reads
+    writer.close_fd()
     writer.send(np.zeros(2 * SLOT, dtype=np.uint8))  # fills both slots
 
     def dead() -> None:
