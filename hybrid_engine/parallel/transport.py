@@ -141,7 +141,13 @@ class SharedMemoryTransport:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         os.unlink(path)
         try:
-            os.ftruncate(fd, _file_bytes(NUM_SLOTS, SLOT_BYTES, num_readers))
+            size = _file_bytes(NUM_SLOTS, SLOT_BYTES, num_readers)
+            if hasattr(os, "posix_fallocate"):
+                # The pages reserved now: a full /dev/shm (a container's small --shm-size)
+                # is an error here, not a SIGBUS at the first step.
+                os.posix_fallocate(fd, 0, size)
+            else:
+                os.ftruncate(fd, size)
             return cls(fd, None, (NUM_SLOTS, SLOT_BYTES, num_readers))
         except BaseException:
             os.close(fd)
