@@ -27,6 +27,7 @@ from dataclasses import astuple, dataclass
 from typing import Any
 
 import numpy as np
+
 from cache.step_buffer import StepBuffer
 from hybrid_engine.parallel.group import TensorParallelGroup
 from hybrid_engine.scheduler import SchedulerOutput

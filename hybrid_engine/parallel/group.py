@@ -28,8 +28,8 @@ results are garbage; the engine then fails every request). Every rank aborts its
 at shutdown too, on CUDA, where destroying them could wait for the other ranks.
 
 NCCL frees a communicator (abort or destroy) only once every CUDA graph that captured
-its collectives is destroyed, so each rank's decode graphs (`graphs`) go first, on the
-thread that replays them.
+its collectives is destroyed, so each rank's decode graphs (`graphs`) go first: at
+shutdown, or from the watch thread when a worker dies.
 """
 import dataclasses
 import datetime
