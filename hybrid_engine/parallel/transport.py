@@ -14,6 +14,7 @@ Both carry any length: the ring splits a message over consecutive slots, gloo se
 first 64 KiB in a broadcast of fixed size (a receiver must know the size to post) and the
 rest in a second one.
 """
+import errno
 import mmap
 import os
 import tempfile
@@ -142,12 +143,7 @@ class SharedMemoryTransport:
         os.unlink(path)
         try:
             size = _file_bytes(NUM_SLOTS, SLOT_BYTES, num_readers)
-            if hasattr(os, "posix_fallocate"):
-                # The pages reserved now: a full /dev/shm (a container's small --shm-size)
-                # is an error here, not a SIGBUS at the first step.
-                os.posix_fallocate(fd, 0, size)
-            else:
-                os.ftruncate(fd, size)
+            _reserve(fd, size, root)
             return cls(fd, None, (NUM_SLOTS, SLOT_BYTES, num_readers))
         except BaseException:
             os.close(fd)
@@ -198,6 +194,21 @@ class SharedMemoryTransport:
             offset += size
             if offset >= len(out):
                 return out
+
+
+def _reserve(fd: int, size: int, root: str) -> None:
+    """Size the ring's file, its pages reserved where the file system can: a full /dev/shm
+    (a container's small --shm-size) is then an error at start-up, not a SIGBUS (a write
+    into a page that cannot be had) at the first step."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as error:
+        if error.errno == errno.ENOSPC:
+            raise OSError(errno.ENOSPC, f"no room in {root} for the tensor-parallel step ring ({size} bytes): "
+                                        f"free some, or give the container more shared memory (--shm-size)") from None
+        os.ftruncate(fd, size)  # (a file system without fallocate)
+    except AttributeError:  # (no posix_fallocate: macOS)
+        os.ftruncate(fd, size)
 
 
 def _control_bytes(num_slots: int, num_readers: int) -> int:

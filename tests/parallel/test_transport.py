@@ -2,6 +2,7 @@
 every message, whole and in order, whatever its length -- through the shared-memory ring
 (messages longer than a slot, a writer that laps slow readers) and through gloo (messages
 past the first broadcast's fixed size)."""
+import errno
 import multiprocessing
 import os
 import tempfile
@@ -136,3 +137,12 @@ def test_gloo_delivers_messages_past_the_first_broadcast():
         p.join(timeout=120)
     assert [p.exitcode for p in procs] == [0, 0]
     assert sorted(done.get(timeout=1) for _ in procs) == [0, 1]
+
+
+def test_a_full_shared_memory_is_an_error_at_creation_naming_the_fix(monkeypatch):
+    def full(fd, offset, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full, raising=False)
+    with pytest.raises(OSError, match="shm-size"):
+        SharedMemoryTransport.create(num_readers=1)
