@@ -1,4 +1,4 @@
-"""`mamba_ssm_cache_dtype` (`LLM(...)` / `--mamba-ssm-cache-dtype`): validation, "auto"
+"""`mamba_ssm_cache_dtype` (`LLM(...)`; the server flag's test is in tests/server/test_cli.py): validation, "auto"
 resolved from the checkpoint config, the SSM pool's dtype and the pool sizing, what a
 low-precision SSM cache does to outputs (measured bounds, not exact equality). The state
 kernels' side is tests/kernels/test_ssm_cache_dtype.py.
@@ -20,7 +20,6 @@ from hybrid_engine import LLM
 from hybrid_engine.config import EngineConfig, resolve_mamba_ssm_cache_dtype
 from hybrid_engine.models.embedded import EMBEDDED_CONFIG
 from hybrid_engine.models.presets import get_preset
-from hybrid_engine.server.cli import engine_config, parse_args
 from layers.mamba2 import Mamba2Mixer
 from tests.engine.engine_helpers import byte_prompt, greedy
 
@@ -62,13 +61,6 @@ def test_bad_value_is_a_value_error_naming_the_field(value):
 def test_bad_value_through_llm():
     with pytest.raises(ValueError, match="mamba_ssm_cache_dtype must be one of"):
         _llm(mamba_ssm_cache_dtype="int8")
-
-
-def test_server_flag():
-    assert engine_config(parse_args([])).mamba_ssm_cache_dtype == "auto"
-    assert engine_config(parse_args(["--mamba-ssm-cache-dtype", "bfloat16"])).mamba_ssm_cache_dtype == "bfloat16"
-    with pytest.raises(SystemExit):  # argparse: a usage error listing the choices
-        parse_args(["--mamba-ssm-cache-dtype", "fp8"])
 
 
 @pytest.mark.parametrize("requested,hf_config,expected", [

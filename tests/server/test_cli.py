@@ -117,6 +117,13 @@ def test_speculative_config_flag(capsys):
         assert message in capsys.readouterr().err
 
 
+def test_mamba_ssm_cache_dtype_flag():
+    assert engine_config(parse_args([])).mamba_ssm_cache_dtype == "auto"
+    assert engine_config(parse_args(["--mamba-ssm-cache-dtype", "bfloat16"])).mamba_ssm_cache_dtype == "bfloat16"
+    with pytest.raises(SystemExit):  # argparse: a usage error listing the choices
+        parse_args(["--mamba-ssm-cache-dtype", "fp8"])
+
+
 def test_prefix_cache_flags_reach_the_engine_config():
     default = engine_config(parse_args([]))
     assert (default.enable_prefix_caching, default.prefix_cache_max_checkpoints,
