@@ -9,6 +9,10 @@ from hybrid_engine.server.async_llm import Generation
 from hybrid_engine.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from hybrid_engine.server.serving import EngineInputs, OpenAIServing, logprob_rows, render_off_loop, usage
 
+# Tokens a completion without max_tokens generates (fewer where the context ends first):
+# OpenAI's legacy completions and vLLM default to 16.
+DEFAULT_MAX_TOKENS = 16
+
 
 class CompletionsHandler(OpenAIServing[CompletionRequest]):
     """Serves legacy completions, streamed or not, with OpenAI's legacy logprobs format."""
@@ -30,7 +34,8 @@ class CompletionsHandler(OpenAIServing[CompletionRequest]):
         """(prompt token ids, params) per prompt, checked (on the tokenizer thread)."""
         self.check_num_prompts(len(request.prompt), request.n)
         prompts = [self.prompt_ids(p, "prompt") for p in request.prompt]
-        return [(ids, self.sampling_params(request, len(ids), request.max_tokens, "max_tokens", request.logprobs))
+        return [(ids, self.sampling_params(request, len(ids), request.max_tokens, "max_tokens", request.logprobs,
+                                           unset_max_tokens=DEFAULT_MAX_TOKENS))
                 for ids in prompts]
 
     def _response(self, request: CompletionRequest, request_id: str,
@@ -67,10 +72,10 @@ class CompletionsHandler(OpenAIServing[CompletionRequest]):
             return None, text_offset
         result = CompletionLogprobs()
         for token, logprob, top in logprob_rows(out, request.logprobs, new_only):
-            text = self.texts.token_text(token)
-            result.tokens.append(text)
+            key, entries = self.texts.legacy_logprobs_entry((token, logprob), top)
+            result.tokens.append(key)
             result.token_logprobs.append(logprob)
-            result.top_logprobs.append(self.texts.top_logprobs_by_text(top))
+            result.top_logprobs.append(entries)
             result.text_offset.append(text_offset)
-            text_offset += len(text)
+            text_offset += len(self.texts.token_text(token))
         return result, text_offset

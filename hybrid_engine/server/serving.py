@@ -185,19 +185,24 @@ class TokenTexts:
             self._byte_strings[token_id] = raw
         return raw
 
-    def top_logprobs_by_text(self, top: list[tuple[int, float]]) -> dict[str, float]:
-        """Alternatives keyed by token text, one entry per token: a token whose text is not
-        whole characters (U+FFFD) or already taken by another token is keyed by its bytes,
-        "bytes:\\xe2\\x80", and failing that by "token_id:N"."""
+    def legacy_logprobs_entry(self, sampled: tuple[int, float],
+                              top: list[tuple[int, float]]) -> tuple[str, dict[str, float]]:
+        """One position of the legacy completions format: the sampled token's key and the
+        `top_logprobs` dict, which holds the sampled token first (as OpenAI's and vLLM's
+        do, so up to n + 1 entries), then the alternatives. Keys are token texts; a token
+        whose text is not whole characters (U+FFFD) or already taken by another token is
+        keyed by its bytes, "bytes:\\xe2\\x80" (as OpenAI writes such tokens), and failing
+        that by "token_id:N". The sampled token's key is what `tokens` lists, so
+        `top_logprobs[i][tokens[i]]` is always its logprob."""
         entries: dict[str, float] = {}
-        for token_id, logprob in top:
+        for token_id, logprob in [sampled, *(alt for alt in top if alt[0] != sampled[0])]:
             key = self.token_text(token_id)
             if key in entries or REPLACEMENT_CHAR in key:
                 key = "bytes:" + "".join(f"\\x{b:02x}" for b in self.token_bytes(token_id))
             if key in entries:
                 key = f"token_id:{token_id}"
             entries[key] = logprob
-        return entries
+        return next(iter(entries)), entries
 
 
 def _json_choice_by_choice(response: CompletionResponse | ChatCompletionResponse) -> bytes:
@@ -273,15 +278,19 @@ class OpenAIServing(Generic[Body]):
         return token_ids
 
     def sampling_params(self, request: SamplingRequest, prompt_len: int, max_tokens: int | None,
-                        max_tokens_param: str, logprobs: int | None) -> SamplingParams:
-        """Engine params, checked as the engine checks them (400 naming the field); an unset
-        max_tokens means all the room the context leaves (as vLLM)."""
+                        max_tokens_param: str, logprobs: int | None,
+                        unset_max_tokens: int | None = None) -> SamplingParams:
+        """Engine params, checked as the engine checks them (400 naming the field). An unset
+        max_tokens is `unset_max_tokens` where the context leaves that much room, else all
+        the room it leaves (chat: all of it, as vLLM and OpenAI)."""
         limits = self.info.limits
+        room = limits.max_request_tokens - prompt_len
         try:
             if max_tokens is not None:
                 check_max_tokens(prompt_len, max_tokens, limits, max_tokens_param)
-            params = SamplingParams(max_tokens=limits.max_request_tokens - prompt_len if max_tokens is None
-                                    else max_tokens, logprobs=logprobs, **request.sampling_kwargs())
+            else:
+                max_tokens = room if unset_max_tokens is None else min(unset_max_tokens, room)
+            params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **request.sampling_kwargs())
             check_params(params, limits, self.info.tokenizer)
         except ValueError as exc:
             raise invalid_input(exc) from exc

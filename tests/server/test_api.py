@@ -137,11 +137,19 @@ def test_unseeded_choices_differ_from_each_other(client: openai.OpenAI):
     assert len({c.text for c in r.choices}) == 3
 
 
-def test_unset_max_tokens_uses_the_remaining_context(client: openai.OpenAI):
-    """No max_tokens: generate until the context is full (as vLLM)."""
+def test_unset_max_tokens_is_16_for_completions_and_the_room_left_for_chat(client: openai.OpenAI):
+    """No max_tokens: a completion gets 16 tokens, as OpenAI's legacy completions and vLLM
+    give it, or the room the context leaves where that is less; a chat completion gets all
+    the room left, as OpenAI's chat and vLLM give it."""
     r = client.completions.create(model=MODEL, prompt="abcd", temperature=0.0, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 16
+    r = client.completions.create(model=MODEL, prompt=[97] * (MAX_MODEL_LEN - 5), temperature=0.0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=0.0,
+                                       extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length"
-    assert r.usage.completion_tokens == MAX_MODEL_LEN - 4
+    assert r.usage.completion_tokens == MAX_MODEL_LEN - r.usage.prompt_tokens > 16
 
 
 def test_chat_completion(client: openai.OpenAI):
@@ -383,13 +391,33 @@ def test_special_token_text_in_chat_content_stays_text(server: Server):
 
 def test_completion_top_logprobs_has_every_alternative(server: Server):
     """As many alternatives as asked at every position, although several byte tokens decode
-    to the same U+FFFD: those are keyed by their bytes ("bytes:\\xNN")."""
+    to the same U+FFFD: those are keyed by their bytes ("bytes:\\xNN"), and so is such a
+    token in `tokens`, which is always a key of its position's `top_logprobs`."""
     body = {"prompt": "\u00e9t\u00e9 ", "max_tokens": 24, "temperature": 0, "logprobs": 8}
     logprobs = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()["choices"][0]["logprobs"]
-    assert [len(top) for top in logprobs["top_logprobs"]] == [8] * 24
+    assert [len(top) for top in logprobs["top_logprobs"]] == [8] * 24  # (greedy: the sampled token is among them)
     keys = [key for top in logprobs["top_logprobs"] for key in top]
     assert any(key.startswith("bytes:\\x") for key in keys), "the test needs partial-character alternatives"
-    assert "\ufffd" not in "".join(keys)
+    assert "\ufffd" not in "".join(keys) + "".join(logprobs["tokens"])
+    for token, logprob, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]):
+        assert top[token] == logprob
+
+
+def test_completion_top_logprobs_always_hold_the_sampled_token(server: Server):
+    """OpenAI's legacy format: `top_logprobs` holds the n most likely tokens and the sampled
+    one, so n + 1 entries where sampling picked a less likely token (logprobs 0: only it)."""
+    for n in (0, 1, 3):
+        body = {"prompt": "abc", "max_tokens": 16, "temperature": 5.0, "seed": 3, "logprobs": n}
+        logprobs = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()["choices"][0]["logprobs"]
+        sizes = []
+        for token, logprob, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]):
+            assert top[token] == logprob
+            others = [v for k, v in top.items() if k != token]
+            # the sampled token and the n best: n in all where it is one of them, else n + 1
+            # where it is less likely than each of the n
+            assert len(others) == n - 1 or (len(others) == n and logprob <= min(others, default=logprob))
+            sizes.append(len(top))
+        assert max(sizes) == n + 1, "temperature 5 should sample some token outside the top n"
 
 
 def test_body_errors_are_fastapis():
