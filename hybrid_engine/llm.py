@@ -8,7 +8,7 @@ from tqdm import tqdm
 from hybrid_engine.config import EngineConfig
 from hybrid_engine.engine import LLMEngine
 from hybrid_engine.request import RequestOutput
-from hybrid_engine.sampling_params import SamplingParams
+from hybrid_engine.sampling_params import SamplingParams, is_integral
 
 Prompt = str | list[int]
 
@@ -71,7 +71,7 @@ class LLM:
         if self.engine.has_unfinished_requests():
             raise RuntimeError("generate() needs the engine to itself: it has unfinished requests (added through "
                                "llm.engine); step or abort them first")
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and is_integral(prompts[0])):
             prompts = [prompts]  # one prompt: a text or its token ids (a list, or a tuple as inside a list)
         if isinstance(prompts, (dict, bytes)) or not hasattr(prompts, "__iter__"):
             # (A dict would be iterated as its keys: vLLM's {"prompt": ...} must not become the prompt "prompt".)

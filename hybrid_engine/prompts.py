@@ -11,7 +11,7 @@ is a `ParameterError` naming the field; too long a request is a `ContextLengthEx
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from hybrid_engine.sampling_params import ParameterError, SamplingParams, check_unicode, is_int
+from hybrid_engine.sampling_params import ParameterError, SamplingParams, check_unicode, is_integral
 
 Prompt = str | Sequence[int]
 
@@ -51,8 +51,11 @@ def encode_prompt(prompt: Prompt, tokenizer: Any | None, field: str = "prompt", 
         check_unicode(prompt, field)
         return tokenizer.encode(prompt, add_special_tokens=add_special_tokens, split_special_tokens=split_special_tokens)
     # (The set of element types first: C speed for the usual all-int list of thousands.)
-    if isinstance(prompt, (list, tuple)) and (set(map(type, prompt)) <= {int} or all(is_int(t) for t in prompt)):
-        return list(prompt)
+    if isinstance(prompt, (list, tuple)):
+        if set(map(type, prompt)) <= {int}:
+            return list(prompt)
+        if all(is_integral(t) for t in prompt):  # (a library caller's NumPy ints, say)
+            return [int(t) for t in prompt]
     raise ParameterError(field, f"{field} must be a string or a list of token ids (ints)")
 
 

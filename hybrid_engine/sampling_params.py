@@ -12,8 +12,9 @@ from typing import Any
 
 MAX_LOGPROBS = 20  # top alternatives per generated token (OpenAI's top_logprobs limit)
 MAX_STOP_STRINGS = 16  # every stop string is searched for in each step's new text
-# Seeds fill an int64 tensor; the sampler's RNG is keyed by all of their 63 bits.
-MAX_SEED = 2**63 - 1
+TOP_K_OFF = -1  # vLLM's "no top-k" beside 0; SamplingParams keeps 0
+# Seeds fill an int64 tensor (vLLM's range); the sampler's RNG is keyed by all 64 bits.
+MIN_SEED, MAX_SEED = -2**63, 2**63 - 1
 # The sampler computes in float32: anything larger would turn into inf there.
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -67,13 +68,13 @@ class Range:
 RANGES: dict[str, Range] = {
     "max_tokens": Range(int, lo=1),
     "temperature": Range(float, lo=0.0, hi=FLOAT32_MAX),
-    "top_k": Range(int, lo=0),
+    "top_k": Range(int, lo=TOP_K_OFF),
     "top_p": Range(float, lo=0.0, hi=1.0, lo_open=True),
     "min_p": Range(float, lo=0.0, hi=1.0),
     "repetition_penalty": Range(float, lo=0.0, hi=FLOAT32_MAX, lo_open=True),
     "presence_penalty": Range(float, lo=-2.0, hi=2.0),
     "frequency_penalty": Range(float, lo=-2.0, hi=2.0),
-    "seed": Range(int, lo=0, hi=MAX_SEED),
+    "seed": Range(int, lo=MIN_SEED, hi=MAX_SEED),
     "logprobs": Range(int, lo=0, hi=MAX_LOGPROBS),
 }
 # Ranged fields where None is a value of its own: no seed (derived), no logprobs.
@@ -85,7 +86,8 @@ class SamplingParams:
     """How to decode one request. Invalid values raise `ParameterError` (a ValueError)
     naming the field; numeric ranges are those of `RANGES`.
 
-    temperature 0 is greedy; top_k 0 / top_p 1 / min_p 0 / penalties 1, 0, 0 are "off".
+    temperature 0 is greedy; top_k 0 (or -1, as vLLM; kept as 0) / top_p 1 / min_p 0 /
+    penalties 1, 0, 0 are "off".
     `seed` makes sampling reproducible per request: the noise for output token i is a pure
     function of (seed, i). `logprobs=n` returns the sampled token's logprob plus the top n.
     """
@@ -111,6 +113,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not (value is None and name in _NULLABLE):
                 setattr(self, name, check_value(name, value, valid))
+        if self.top_k == TOP_K_OFF:
+            self.top_k = 0
         # Lists (or tuples) are copied: a caller's later edits of its own list never reach a request.
         if isinstance(self.stop, (str, list, tuple)):
             self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
@@ -122,9 +126,11 @@ class SamplingParams:
                                              f"got {len(self.stop)}")
             for text in self.stop:  # (one that is not text could never match the output)
                 check_unicode(text, "stop")
+            if "" in self.stop:  # (it would match before every token: vLLM refuses it too)
+                raise ParameterError("stop", "stop cannot contain an empty string")
         if self.stop_token_ids is not None and not (
             isinstance(self.stop_token_ids, (list, tuple))
-            and all(_is_integer(t) and t >= 0 for t in self.stop_token_ids)
+            and all(is_integral(t) and t >= 0 for t in self.stop_token_ids)
         ):
             raise ParameterError("stop_token_ids", f"stop_token_ids must be a list of non-negative ints, "
                                                    f"got {self.stop_token_ids!r}")
@@ -153,7 +159,7 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_integer(value: Any) -> bool:
+def is_integral(value: Any) -> bool:
     """A Python or NumPy integer that is not a bool (a library caller's values may come
     from NumPy; JSON's never do, see `is_int`)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
@@ -164,7 +170,7 @@ def check_value(name: str, value: Any, valid: Range) -> int | float:
     number field; NumPy scalars are taken and converted), or a ParameterError naming `name`
     if it has the wrong type, is not finite, or is out of `valid`."""
     if valid.kind is int:
-        if not _is_integer(value):
+        if not is_integral(value):
             raise ParameterError(name, f"{name} must be an integer, got {value!r}")
         value = int(value)
     elif isinstance(value, bool) or not isinstance(value, numbers.Real):

@@ -18,8 +18,6 @@ from pydantic_core import PydanticCustomError
 from hybrid_engine.sampling_params import MAX_STOP_STRINGS, RANGES, check_unicode, is_int
 from hybrid_engine.server.errors import clipped
 
-# vLLM's request spelling of "top_k off"; the library's is 0 (see `sampling_kwargs`).
-TOP_K_OFF = -1
 # The most choices per prompt (`n`) a request may ask for: OpenAI's limit.
 MAX_CHOICES = 128
 
@@ -93,7 +91,7 @@ class SamplingRequest(StrictModel):
     max_tokens: int | None = ranged(None, "max_tokens")
     temperature: float = ranged(1.0, "temperature")
     top_p: float = ranged(1.0, "top_p")
-    top_k: int = ranged(0, "top_k", lo=TOP_K_OFF)
+    top_k: int = ranged(0, "top_k")
     min_p: float = ranged(0.0, "min_p")
     presence_penalty: float = ranged(0.0, "presence_penalty")
     frequency_penalty: float = ranged(0.0, "frequency_penalty")
@@ -134,7 +132,7 @@ class SamplingRequest(StrictModel):
     def sampling_kwargs(self) -> dict[str, Any]:
         """The SamplingParams fields these request fields map to (max_tokens and logprobs aside)."""
         return dict(
-            temperature=self.temperature, top_p=self.top_p, top_k=0 if self.top_k == TOP_K_OFF else self.top_k,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, seed=self.seed, stop=self.stop or None,

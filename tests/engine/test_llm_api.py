@@ -3,6 +3,7 @@ every prompt form, outputs in prompt order, logprobs shape, tqdm on and off."""
 import math
 import threading
 
+import numpy as np
 import pytest
 
 from hybrid_engine import LLM, RequestOutput, SamplingParams
@@ -36,6 +37,11 @@ def test_prompt_forms_agree(make_llm):
     (listed_tuple,) = llm.generate([tuple(ids_a)], p, use_tqdm=False)
     assert single_tuple.prompt_token_ids == listed_tuple.prompt_token_ids == ids_a
     assert single_tuple.output_token_ids == listed_tuple.output_token_ids == single_str.output_token_ids
+    (single_numpy,) = llm.generate([np.int64(t) for t in ids_a], p, use_tqdm=False)  # NumPy ints, alone or listed
+    (listed_numpy,) = llm.generate([[np.int32(t) for t in ids_a]], p, use_tqdm=False)
+    assert single_numpy.prompt_token_ids == listed_numpy.prompt_token_ids == ids_a
+    assert all(type(t) is int for t in single_numpy.prompt_token_ids)
+    assert single_numpy.output_token_ids == listed_numpy.output_token_ids == single_str.output_token_ids
     assert single_str.prompt_token_ids == single_ids.prompt_token_ids == ids_a
     assert single_str.prompt == text_a and single_ids.prompt is None
     expect_a, expect_b = single_str.output_token_ids, list_str[1].output_token_ids

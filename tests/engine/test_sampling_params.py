@@ -20,11 +20,11 @@ BAD_PARAMS = [
     ({"top_p": 0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
     ({"temperature": -0.1}, "temperature"),
-    ({"top_k": -1}, "top_k"),
+    ({"top_k": -2}, "top_k"),  # (-1 is vLLM's "off", kept as 0)
     ({"min_p": 1.5}, "min_p"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"presence_penalty": 3.0}, "presence_penalty"),
-    ({"seed": -1}, "seed"),
+    ({"seed": -2**63 - 1}, "seed"),
     ({"seed": 2**63}, "seed"),  # seeds fill an int64
     ({"temperature": float("inf")}, "temperature"),
     ({"top_p": float("nan")}, "top_p"),
@@ -34,6 +34,8 @@ BAD_PARAMS = [
     ({"stop_token_ids": [-3]}, "stop_token_ids"),
     ({"stop": 5}, "stop"),
     ({"stop": ["ok", "\ud800"]}, "stop"),  # a lone surrogate: no text could ever match it
+    ({"stop": ""}, "stop"),  # it would match before every token
+    ({"stop": ["ok", ""]}, "stop"),
     ({"max_tokens": 4, "bogus_knob": 1}, "bogus_knob"),
 ]
 # Valid for SamplingParams, invalid for the model serving it (the embedded vocab is 261).

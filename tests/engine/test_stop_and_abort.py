@@ -316,7 +316,6 @@ def test_abort_text_is_flushed(make_llm, greedy_runs):
 
 def test_failing_request_ends_alone_with_error(make_llm):
     """An exception while appending one request's token finishes only that request."""
-    from hybrid_engine import SamplingParams
 
     llm = make_llm()
     engine = llm.engine
@@ -351,7 +350,6 @@ def test_failing_request_ends_alone_with_error(make_llm):
 def test_top_k_zero_or_beyond_vocab_is_off_and_top_k_one_is_greedy(make_llm):
     """top_k=0 means "no top-k": a seeded draw equals the one with top_k = vocab size or any
     larger value (2**40 does not overflow), and differs from top_k=1, which is greedy."""
-    from hybrid_engine import SamplingParams
 
     llm = make_llm()
     vocab = llm.engine.model_config.vocab_size

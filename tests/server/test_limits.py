@@ -10,7 +10,6 @@ import signal
 import threading
 
 import httpx
-import pytest
 
 from tests.server.conftest import start_subprocess_server, wait_until
 

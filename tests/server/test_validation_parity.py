@@ -12,9 +12,8 @@ import math
 import httpx
 import pytest
 
-from hybrid_engine.sampling_params import (FLOAT32_MAX, MAX_LOGPROBS, MAX_SEED, MAX_STOP_STRINGS, RANGES,
-                                          ParameterError, Range, SamplingParams)
-from hybrid_engine.server.protocol import TOP_K_OFF
+from hybrid_engine.sampling_params import (FLOAT32_MAX, MAX_LOGPROBS, MAX_SEED, MAX_STOP_STRINGS, MIN_SEED, RANGES,
+                                          TOP_K_OFF, ParameterError, Range, SamplingParams)
 from tests.server.conftest import Server
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -50,8 +49,9 @@ PINNED = [
     ("min_p", 0.0, True), ("min_p", 1.0, True), ("min_p", -0.01, False), ("min_p", 1.01, False),
     ("presence_penalty", -2.0, True), ("presence_penalty", 2.0, True), ("presence_penalty", 2.01, False),
     ("frequency_penalty", -2.01, False), ("frequency_penalty", math.nan, False),
-    ("top_k", 0, True), ("top_k", 5, True), ("top_k", 2**70, True), ("top_k", -2, False),
-    ("seed", 0, True), ("seed", 2**63 - 1, True), ("seed", 2**63, False), ("seed", -1, False),
+    ("top_k", 0, True), ("top_k", 5, True), ("top_k", 2**70, True), ("top_k", -1, True), ("top_k", -2, False),
+    ("seed", 0, True), ("seed", 2**63 - 1, True), ("seed", 2**63, False), ("seed", -1, True),
+    ("seed", -2**63, True), ("seed", -2**63 - 1, False),
     ("logprobs", 0, True), ("logprobs", 20, True), ("logprobs", 21, False), ("logprobs", -1, False),
     ("max_tokens", 1, True), ("max_tokens", 0, False),
 ]
@@ -100,9 +100,7 @@ def _server_accepts(server: Server, path: str, name: str, value: int | float) ->
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
 @pytest.mark.parametrize("name, value", CASES, ids=[f"{n}={v!r}" for n, v in CASES])
 def test_library_and_server_agree(server: Server, path: str, name: str, value: int | float):
-    # The one request-only spelling: vLLM's top_k -1 is the library's 0 ("off").
-    library_value = 0 if (name, value) == ("top_k", TOP_K_OFF) else value
-    assert _server_accepts(server, path, name, value) == _library_accepts(name, library_value)
+    assert _server_accepts(server, path, name, value) == _library_accepts(name, value)
 
 
 @pytest.mark.parametrize("name, value, accepted", PINNED, ids=[f"{n}={v!r}" for n, v, _ in PINNED])
@@ -110,9 +108,9 @@ def test_pinned_ranges(name: str, value: int | float, accepted: bool):
     assert _library_accepts(name, value) == accepted
 
 
-def test_top_k_off_spelling(server: Server):
-    """vLLM's top_k -1 ("off") is a request spelling of the library's 0: accepted by the
-    server, and the same tokens as top_k 0; the library itself takes only 0."""
+def test_top_k_off_spellings(server: Server):
+    """vLLM's top_k -1 ("off") is the same as 0: the library keeps 0, and the server gives
+    the same tokens for either."""
     def tokens(top_k: int) -> list[str]:
         _, body = _request(COMPLETIONS, "top_k", top_k)
         body.update(max_tokens=6, temperature=1.0, seed=7, logprobs=0, ignore_eos=True)
@@ -120,8 +118,32 @@ def test_top_k_off_spelling(server: Server):
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["logprobs"]["tokens"]
 
-    assert TOP_K_OFF == -1 and not _library_accepts("top_k", TOP_K_OFF)
+    assert TOP_K_OFF == -1 and SamplingParams(top_k=TOP_K_OFF).top_k == 0
     assert tokens(TOP_K_OFF) == tokens(0)
+
+
+def test_negative_seeds_are_their_own_streams(server: Server):
+    """Seeds take vLLM's int64 range: a negative seed is reproducible and not its absolute
+    value's stream."""
+    def tokens(seed: int) -> list[str]:
+        body = {"prompt": [1, 2, 3], "max_tokens": 8, "temperature": 1.0, "seed": seed, "logprobs": 0,
+                "ignore_eos": True}
+        r = httpx.post(f"{server.url}{COMPLETIONS}", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["logprobs"]["tokens"]
+
+    assert tokens(-5) == tokens(-5) != tokens(5)
+    assert tokens(-2**63) == tokens(-2**63)
+
+
+def test_empty_stop_string_is_refused(server: Server):
+    """An empty stop string would match before every token: a 400 naming `stop`, as vLLM's."""
+    for stop in ("", ["x", ""]):
+        r = httpx.post(f"{server.url}{COMPLETIONS}", json={"prompt": [1, 2], "max_tokens": 1, "stop": stop},
+                       timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
+        assert "empty string" in r.json()["error"]["message"]
+    assert not _library_accepts("stop", [""]) and not _library_accepts("stop", "")
 
 
 @pytest.mark.parametrize("count", [MAX_STOP_STRINGS, MAX_STOP_STRINGS + 1])
@@ -137,7 +159,8 @@ def test_stop_string_count_agrees(server: Server, count: int):
 def test_constants_are_the_ranges():
     """The shared limits are the ends of the ranges that use them."""
     assert RANGES["logprobs"].hi == MAX_LOGPROBS == 20
-    assert RANGES["seed"].hi == MAX_SEED == 2**63 - 1
+    assert (RANGES["seed"].lo, RANGES["seed"].hi) == (MIN_SEED, MAX_SEED) == (-2**63, 2**63 - 1)
+    assert RANGES["top_k"].lo == TOP_K_OFF == -1
     assert RANGES["temperature"].hi == RANGES["repetition_penalty"].hi == FLOAT32_MAX
     assert float(FLOAT32_MAX) == 2.0**128 * (1 - 2.0**-24)  # the largest finite float32
 
@@ -153,7 +176,7 @@ def _schema_bounds(prop: dict) -> dict:
 
 
 def test_openapi_schema_shows_the_ranges(server: Server):
-    """The request schema's bounds are RANGES' (top_k's minimum is the -1 "off" spelling)."""
+    """The request schema's bounds are RANGES'."""
     schemas = httpx.get(f"{server.url}/openapi.json").json()["components"]["schemas"]
     fields = {"CompletionRequest": {name: name for name in RANGES},
               "ChatCompletionRequest": {**{name: name for name in RANGES if name != "logprobs"},
@@ -163,9 +186,7 @@ def test_openapi_schema_shows_the_ranges(server: Server):
         for field, name in mapping.items():
             valid = RANGES[name]
             expected = {}
-            if name == "top_k":
-                expected["minimum"] = TOP_K_OFF
-            elif valid.lo is not None:
+            if valid.lo is not None:
                 expected["exclusiveMinimum" if valid.lo_open else "minimum"] = valid.lo
             if valid.hi is not None:
                 expected["maximum"] = valid.hi
