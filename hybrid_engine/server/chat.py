@@ -42,7 +42,7 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
     def engine_inputs(self, request: ChatCompletionRequest) -> EngineInputs:
         """The rendered prompt's token ids and the params, checked (on the tokenizer thread)."""
         self.check_num_prompts(1, request.n)
-        prompt = self.prompt_ids(self._encode(request.messages), "messages")
+        prompt = self.prompt_ids(self._encode(request), "messages")
         max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         return [(prompt, self.sampling_params(request, len(prompt), request.requested_max_tokens, max_param,
                                               request.num_logprobs))]
@@ -56,8 +56,10 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
         return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
                                       usage=usage(finals, request.n))
 
-    def _encode(self, messages: list[ChatMessage]) -> list[int]:
-        """The prompt's token ids: the chat template rendered with the assistant prefix.
+    def _encode(self, request: ChatCompletionRequest) -> list[int]:
+        """The prompt's token ids: the chat template rendered with the assistant prefix
+        (`add_generation_prompt`), or with the last assistant message left open
+        (`continue_final_message`), and the request's `chat_template_kwargs`.
 
         Only the template's own markup may yield special tokens: message text is tokenized
         as plain text, so a user who writes "<|im_end|>" gets those characters, not the
@@ -76,8 +78,9 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
             texts[key] = text
             return key
 
+        self._check_template_variables(request.chat_template_kwargs)
         dicts = []
-        for i, message in enumerate(messages):
+        for i, message in enumerate(request.messages):
             self._check_markup_free(message, i)
             d = message.template_dict()
             if d["content"]:  # (an empty text stays empty: templates test content for truth)
@@ -86,7 +89,10 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
         try:
             # Render to text, then encode: transformers 5 returns a BatchEncoding (not ids)
             # from apply_chat_template(tokenize=True).
-            rendered = tokenizer.apply_chat_template(dicts, tokenize=False, add_generation_prompt=True)
+            rendered = tokenizer.apply_chat_template(dicts, tokenize=False,
+                                                     add_generation_prompt=request.add_generation_prompt,
+                                                     continue_final_message=request.continue_final_message,
+                                                     **request.chat_template_kwargs)
         except Exception as exc:  # no template, or the template rejects these messages
             raise APIError(f"the chat template cannot render these messages: {exc}", param="messages") from exc
         ids: list[int] = []
@@ -117,6 +123,17 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
                 param = f"messages.{index}.{field}"
                 raise APIError(f"{param} must not contain the special token {found.group()!r}", param=param,
                                code="invalid_value")
+
+    def _check_template_variables(self, variables: dict[str, object]) -> None:
+        """400 naming the variable if a `chat_template_kwargs` string (key or value, at any
+        depth) holds a special token's text: the template writes it as markup."""
+        for key, value in variables.items():
+            for text in _strings_in({key: value}):
+                found = self._special_tokens.search(text) if text else None
+                if found is not None:
+                    param = f"chat_template_kwargs.{key}"
+                    raise APIError(f"{param} must not contain the special token {found.group()!r}", param=param,
+                                   code="invalid_value")
 
     @functools.cached_property
     def _special_tokens(self) -> re.Pattern[str]:

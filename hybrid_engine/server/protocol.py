@@ -18,6 +18,12 @@ from pydantic_core import PydanticCustomError
 from hybrid_engine.sampling_params import MAX_STOP_STRINGS, RANGES, check_unicode, is_int
 from hybrid_engine.server.errors import clipped
 
+# apply_chat_template's own arguments and the variables a request sets through its fields:
+# `chat_template_kwargs` may not set them.
+TEMPLATE_RESERVED = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                               "add_generation_prompt", "continue_final_message", "padding", "truncation",
+                               "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                               "tokenizer_kwargs"})
 # The most choices per prompt (`n`) a request may ask for: OpenAI's limit.
 MAX_CHOICES = 128
 
@@ -307,11 +313,56 @@ class ChatCompletionRequest(SamplingRequest):
     response_format: ResponseFormat | None = None
     store: bool = False
     metadata: dict[str, str] = Field(default_factory=dict)
+    # Tool definitions and tool calls parsed out of the output are not implemented: only
+    # the values that ask for no tool pass (clients send them by default).
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    tool_choice: str | dict[str, Any] = "none"
+    parallel_tool_calls: bool = True  # (no tools: nothing to call, in parallel or not)
+    # vLLM's chat template options: the assistant prefix at the end (or, instead, the last
+    # assistant message left open for the model to continue), and extra template variables
+    # such as {"enable_thinking": false}.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("store")
     @classmethod
     def _nothing_stored(cls, value: bool) -> bool:
         return only_neutral("store", value, False)
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return only_neutral("tools", value, [])
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, value: str | dict[str, Any]) -> str | dict[str, Any]:
+        # "auto" with no tools asks for nothing either (OpenAI's default once tools are given).
+        if value not in ("none", "auto"):
+            raise PydanticCustomError("not_implemented", f"tool_choice={clipped(repr(value))} is not implemented; "
+                                      "only 'none' or 'auto' (with no tools) is accepted")
+        return value
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, value: dict[str, Any]) -> dict[str, Any]:
+        taken = sorted(set(value) & TEMPLATE_RESERVED)
+        if taken:
+            raise PydanticCustomError("invalid_value", "chat_template_kwargs must not set {keys}: those are the "
+                                      "request's own fields or the renderer's", {"keys": clipped(repr(taken))})
+        return value
+
+    @model_validator(mode="after")
+    def _continue_or_prompt(self) -> "ChatCompletionRequest":
+        if self.continue_final_message and self.add_generation_prompt:
+            raise PydanticCustomError("invalid_value", "continue_final_message needs add_generation_prompt false: "
+                                      "the last message is continued, so no new assistant turn starts",
+                                      {"param": "continue_final_message"})
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise PydanticCustomError("invalid_value", "continue_final_message needs an assistant message last",
+                                      {"param": "continue_final_message"})
+        return self
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":

@@ -1,0 +1,100 @@
+"""Chat request fields beyond OpenAI's core: vLLM's chat template options
+(`add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`) and the tool
+fields, whose values that ask for no tool pass and whose others are 400 `not_implemented`."""
+from typing import Iterator
+
+import httpx
+import pytest
+
+from hybrid_engine.config import EngineConfig
+from hybrid_engine.engine import LLMEngine
+from hybrid_engine.tokenizer import CHATML_TEMPLATE, build_byte_tokenizer
+from tests.server.conftest import MAX_MODEL_LEN, Server, serve_in_thread
+
+CHAT = "/v1/chat/completions"
+USER = [{"role": "user", "content": "hi"}]
+# ChatML whose assistant prefix opens a thinking block unless `enable_thinking` is false
+# (as Nemotron-3 and Qwen3 templates take it through vLLM's chat_template_kwargs).
+THINKING_TEMPLATE = CHATML_TEMPLATE.replace(
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}",
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ '<think></think>' }}"
+    "{% else %}{{ '<think>\n' }}{% endif %}{% endif %}")
+
+
+def _thinking_engine() -> LLMEngine:
+    engine = LLMEngine(EngineConfig(device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN))
+    engine.tokenizer.chat_template = THINKING_TEMPLATE
+    return engine
+
+
+@pytest.fixture(scope="module")
+def thinking_server() -> Iterator[Server]:
+    """A server of the embedded model whose chat template reads `enable_thinking`."""
+    with serve_in_thread(_thinking_engine) as server:
+        yield server
+
+
+def _chat(server: Server, **fields) -> httpx.Response:
+    body = {"messages": USER, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True, **fields}
+    return httpx.post(f"{server.url}{CHAT}", json=body, timeout=60)
+
+
+def _prompt_tokens(messages: list[dict], template: str = CHATML_TEMPLATE, **options) -> int:
+    tokenizer = build_byte_tokenizer()
+    tokenizer.chat_template = template
+    return len(tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, **options)))
+
+
+def test_chat_template_kwargs_reach_the_template(thinking_server: Server):
+    on = _chat(thinking_server)
+    off = _chat(thinking_server, chat_template_kwargs={"enable_thinking": False})
+    assert on.status_code == off.status_code == 200, (on.text, off.text)
+    assert on.json()["usage"]["prompt_tokens"] == _prompt_tokens(USER, THINKING_TEMPLATE, add_generation_prompt=True)
+    assert off.json()["usage"]["prompt_tokens"] == _prompt_tokens(USER, THINKING_TEMPLATE, add_generation_prompt=True,
+                                                                  enable_thinking=False)
+    assert on.json()["usage"]["prompt_tokens"] != off.json()["usage"]["prompt_tokens"]
+
+
+def test_add_generation_prompt_and_continue_final_message(server: Server):
+    r = _chat(server, add_generation_prompt=False)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == _prompt_tokens(USER)
+    opened = USER + [{"role": "assistant", "content": "Hel"}]
+    r = _chat(server, messages=opened, add_generation_prompt=False, continue_final_message=True)
+    tokenizer = build_byte_tokenizer()
+    rendered = tokenizer.apply_chat_template(opened, tokenize=False, continue_final_message=True)
+    assert rendered.endswith("<|im_start|>assistant\nHel")  # no end-of-turn: the model continues "Hel"
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(tokenizer.encode(rendered))
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"continue_final_message": True}, "continue_final_message"),  # with add_generation_prompt's default true
+    ({"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),  # a user message last
+    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"note": ["ok", {"x": "<|im_start|>system"}]}}, "chat_template_kwargs.note"),
+    ({"chat_template_kwargs": "enable_thinking"}, "chat_template_kwargs"),
+])
+def test_bad_template_options_are_400s_naming_the_field(server: Server, fields: dict, param: str):
+    r = _chat(server, **fields)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_tool_fields_that_ask_for_no_tool_pass(server: Server):
+    plain = _chat(server)
+    for fields in ({"tools": []}, {"tool_choice": "none"}, {"tool_choice": "auto", "tools": []},
+                   {"parallel_tool_calls": False}):
+        r = _chat(server, **fields)
+        assert r.status_code == 200, (fields, r.text)
+        assert r.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": [{"type": "function", "function": {"name": "wx", "parameters": {}}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "wx"}}}, "tool_choice"),
+])
+def test_tool_use_is_not_implemented(server: Server, fields: dict, param: str):
+    r = _chat(server, **fields)
+    assert r.status_code == 400, r.text
+    assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (param, "not_implemented")
