@@ -1,13 +1,14 @@
 """The FastAPI application: routes, lifespan, and client-disconnect handling."""
 import asyncio
 import contextlib
-from typing import Awaitable
+from typing import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
+from hybrid_engine import __version__
 from hybrid_engine.server.async_llm import AsyncLLM
 from hybrid_engine.server.bodies import document_bodies, read_body
 from hybrid_engine.server.chat import ChatHandler
@@ -16,6 +17,7 @@ from hybrid_engine.server.errors import install_error_handlers
 from hybrid_engine.server.limits import BodySizeLimit, ServerLimits
 from hybrid_engine.server.protocol import ModelCard, ModelList
 from hybrid_engine.server.serving import TokenizerThread, TokenTexts
+from hybrid_engine.server.tokenize import DetokenizeRequest, TokenizeHandler, TokenizeRequest
 
 # nginx's "client closed request": logged, never seen by the (gone) client.
 CLIENT_CLOSED_REQUEST = 499
@@ -72,26 +74,25 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None, limits: Serve
     completions = CompletionsHandler(llm, model_name, tokenizer_thread, texts)
     chat = ChatHandler(llm, model_name, tokenizer_thread, texts)
 
-    async def generate(request: Request, handler: CompletionsHandler | ChatHandler) -> Response:
+    async def answer(request: Request, handle: Callable[[bytes, str | None], Awaitable[Response]]) -> Response:
         # The body is read before the disconnect watcher starts (both read the same stream);
         # all after it, decoding included, is cancelled if the client leaves.
         raw = await read_body(request)
-        return await cancel_on_disconnect(request, handler.create(raw, request.headers.get("content-type")))
+        return await cancel_on_disconnect(request, handle(raw, request.headers.get("content-type")))
 
     @app.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
         """OpenAI completions (text or token-id prompts)."""
-        return await generate(request, completions)
+        return await answer(request, completions.create)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
         """OpenAI chat completions."""
-        return await generate(request, chat)
+        return await answer(request, chat.create)
 
     def model_card() -> ModelCard:
         return ModelCard(id=model_name, root=llm.info.model_name, max_model_len=llm.info.max_request_tokens)
 
-    document_bodies(app, {"/v1/completions": completions.body_model, "/v1/chat/completions": chat.body_model})
 
     @app.get("/v1/models")
     async def list_models() -> Response:
@@ -103,6 +104,26 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None, limits: Serve
         """The served model's card (404 for any other name; names may hold slashes)."""
         completions.check_model(model_id)
         return Response(model_card().model_dump_json(), media_type="application/json")
+
+    tokenize = TokenizeHandler(chat)
+
+    @app.post("/tokenize")
+    async def tokenize_prompt(request: Request) -> Response:
+        """vLLM's /tokenize: a prompt's or a chat's token ids, as generation would build them."""
+        return await answer(request, tokenize.tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize_tokens(request: Request) -> Response:
+        """vLLM's /detokenize: token ids back to text."""
+        return await answer(request, tokenize.detokenize)
+
+    document_bodies(app, {"/v1/completions": completions.body_model, "/v1/chat/completions": chat.body_model,
+                          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
+
+    @app.get("/version")
+    async def version() -> Response:
+        """The server's version."""
+        return JSONResponse({"version": __version__})
 
     @app.get("/health")
     async def health() -> Response:

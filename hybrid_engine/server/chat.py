@@ -13,7 +13,7 @@ from hybrid_engine.server.async_llm import Generation
 from hybrid_engine.server.errors import APIError, invalid_input
 from hybrid_engine.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                            ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatMessage,
-                                           DeltaMessage, TokenLogprob, TopLogprob)
+                                           DeltaMessage, TemplateOptions, TokenLogprob, TopLogprob)
 from hybrid_engine.server.serving import EngineInputs, OpenAIServing, logprob_rows, render_off_loop, usage
 from hybrid_engine.tokenizer import special_token_pattern
 
@@ -42,7 +42,7 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
     def engine_inputs(self, request: ChatCompletionRequest) -> EngineInputs:
         """The rendered prompt's token ids and the params, checked (on the tokenizer thread)."""
         self.check_num_prompts(1, request.n)
-        prompt = self.prompt_ids(self._encode(request), "messages")
+        prompt = self.prompt_ids(self.encode_messages(request), "messages")
         max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         return [(prompt, self.sampling_params(request, len(prompt), request.requested_max_tokens, max_param,
                                               request.num_logprobs))]
@@ -56,7 +56,7 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
         return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
                                       usage=usage(finals, request.n))
 
-    def _encode(self, request: ChatCompletionRequest) -> list[int]:
+    def encode_messages(self, request: TemplateOptions) -> list[int]:
         """The prompt's token ids: the chat template rendered with the assistant prefix
         (`add_generation_prompt`), or with the last assistant message left open
         (`continue_final_message`), and the request's `chat_template_kwargs`.

@@ -300,13 +300,44 @@ class ResponseFormat(StrictModel):
         return only_neutral("response_format.type", value, "text")
 
 
-class ChatCompletionRequest(SamplingRequest):
+class TemplateOptions(StrictModel):
+    """vLLM's chat template options (chat completions and /tokenize): the assistant prefix
+    at the end (or, instead, the last assistant message left open for the model to
+    continue), and extra template variables such as {"enable_thinking": false}."""
+
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, value: dict[str, Any]) -> dict[str, Any]:
+        taken = sorted(set(value) & TEMPLATE_RESERVED)
+        if taken:
+            raise PydanticCustomError("invalid_value", "chat_template_kwargs must not set {keys}: those are the "
+                                      "request's own fields or the renderer's", {"keys": clipped(repr(taken))})
+        return value
+
+    @model_validator(mode="after")
+    def _continue_or_prompt(self) -> "TemplateOptions":
+        if self.continue_final_message and self.add_generation_prompt:
+            raise PydanticCustomError("invalid_value", "continue_final_message needs add_generation_prompt false: "
+                                      "the last message is continued, so no new assistant turn starts",
+                                      {"param": "continue_final_message"})
+        if self.continue_final_message and self.messages and self.messages[-1].role != "assistant":
+            raise PydanticCustomError("invalid_value", "continue_final_message needs an assistant message last",
+                                      {"param": "continue_final_message"})
+        return self
+
+
+class ChatCompletionRequest(SamplingRequest, TemplateOptions):
     """POST /v1/chat/completions (`max_completion_tokens` wins over the older `max_tokens`).
 
     `store` is accepted as false only (nothing is stored); `metadata` is accepted and not
     used (it only matters to stored completions)."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1)  # (required here)
     max_completion_tokens: int | None = ranged(None, "max_tokens")
     logprobs: bool = False
     top_logprobs: int | None = ranged(None, "logprobs")
@@ -318,12 +349,6 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[dict[str, Any]] = Field(default_factory=list)
     tool_choice: str | dict[str, Any] = "none"
     parallel_tool_calls: bool = True  # (no tools: nothing to call, in parallel or not)
-    # vLLM's chat template options: the assistant prefix at the end (or, instead, the last
-    # assistant message left open for the model to continue), and extra template variables
-    # such as {"enable_thinking": false}.
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("store")
     @classmethod
@@ -344,25 +369,6 @@ class ChatCompletionRequest(SamplingRequest):
                                       "only 'none' or 'auto' (with no tools) is accepted")
         return value
 
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _template_variables(cls, value: dict[str, Any]) -> dict[str, Any]:
-        taken = sorted(set(value) & TEMPLATE_RESERVED)
-        if taken:
-            raise PydanticCustomError("invalid_value", "chat_template_kwargs must not set {keys}: those are the "
-                                      "request's own fields or the renderer's", {"keys": clipped(repr(taken))})
-        return value
-
-    @model_validator(mode="after")
-    def _continue_or_prompt(self) -> "ChatCompletionRequest":
-        if self.continue_final_message and self.add_generation_prompt:
-            raise PydanticCustomError("invalid_value", "continue_final_message needs add_generation_prompt false: "
-                                      "the last message is continued, so no new assistant turn starts",
-                                      {"param": "continue_final_message"})
-        if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise PydanticCustomError("invalid_value", "continue_final_message needs an assistant message last",
-                                      {"param": "continue_final_message"})
-        return self
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":

@@ -40,9 +40,12 @@ def test_token_id_prompts_work(bare_server: Server):
     ("/v1/completions", {"prompt": "text"}),
     ("/v1/completions", {"prompt": [1, 2], "stop": "x"}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/tokenize", {"prompt": "text"}),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/detokenize", {"tokens": [1, 2]}),
 ])
 def test_text_needs_a_tokenizer(bare_server: Server, path, body):
-    """Text prompts, stop strings and chat are 400s naming the missing tokenizer."""
+    """Text prompts, stop strings, chat and (de)tokenizing are 400s naming the missing tokenizer."""
     r = httpx.post(f"{bare_server.url}{path}", json=body, timeout=30)
     assert r.status_code == 400 and "tokenizer" in r.json()["error"]["message"]
     assert httpx.get(f"{bare_server.url}/health").status_code == 200
