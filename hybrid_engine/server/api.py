@@ -52,11 +52,12 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> R
     return task.result()
 
 
-def build_app(llm: AsyncLLM, served_model_name: str | None = None, limits: ServerLimits = ServerLimits()) -> FastAPI:
+def build_app(llm: AsyncLLM, served_model_names: list[str] | None = None,
+              limits: ServerLimits = ServerLimits()) -> FastAPI:
     """The OpenAI-compatible app over `llm`, refusing bodies over `limits.max_request_body_bytes`
     (the connection limits are the HTTP protocol's: `connections.uvicorn_config`); the app's shutdown
     stops the engine thread."""
-    model_name = served_model_name or llm.info.model_name
+    model_names = served_model_names or [llm.info.model_name]
     tokenizer_thread = TokenizerThread(llm.info.tokenizer)
 
     @contextlib.asynccontextmanager
@@ -71,8 +72,8 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None, limits: Serve
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_body_bytes)
     install_error_handlers(app)
     texts = TokenTexts(llm.info.tokenizer)
-    completions = CompletionsHandler(llm, model_name, tokenizer_thread, texts)
-    chat = ChatHandler(llm, model_name, tokenizer_thread, texts)
+    completions = CompletionsHandler(llm, model_names, tokenizer_thread, texts)
+    chat = ChatHandler(llm, model_names, tokenizer_thread, texts)
 
     async def answer(request: Request, handle: Callable[[bytes, str | None], Awaitable[Response]]) -> Response:
         # The body is read before the disconnect watcher starts (both read the same stream);
@@ -90,20 +91,21 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None, limits: Serve
         """OpenAI chat completions."""
         return await answer(request, chat.create)
 
-    def model_card() -> ModelCard:
-        return ModelCard(id=model_name, root=llm.info.model_name, max_model_len=llm.info.max_request_tokens)
+    def model_card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=llm.info.model_name, max_model_len=llm.info.max_request_tokens)
 
 
     @app.get("/v1/models")
     async def list_models() -> Response:
-        """The one served model."""
-        return Response(ModelList(data=[model_card()]).model_dump_json(), media_type="application/json")
+        """The served model, a card per served name."""
+        return Response(ModelList(data=[model_card(name) for name in model_names]).model_dump_json(),
+                        media_type="application/json")
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> Response:
         """The served model's card (404 for any other name; names may hold slashes)."""
         completions.check_model(model_id)
-        return Response(model_card().model_dump_json(), media_type="application/json")
+        return Response(model_card(model_id).model_dump_json(), media_type="application/json")
 
     tokenize = TokenizeHandler(chat)
 

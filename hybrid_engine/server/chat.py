@@ -53,7 +53,7 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
                               logprobs=self._logprobs(request, out, new_only=False), finish_reason=out.finish_reason,
                               stop_reason=out.stop_reason)
                    for i, out in enumerate(finals)]
-        return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
+        return ChatCompletionResponse(id=request_id, model=self.response_model(request), choices=choices,
                                       usage=usage(finals, request.n))
 
     def encode_messages(self, request: TemplateOptions) -> list[int]:
@@ -149,7 +149,7 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
 
     async def _chunks(self, request: ChatCompletionRequest, request_id: str,
                       generation: Generation) -> AsyncIterator[ChatCompletionChunk]:
-        chunk = ChatCompletionChunk(id=request_id, model=self.served_model_name, choices=[])
+        chunk = ChatCompletionChunk(id=request_id, model=self.response_model(request), choices=[])
         for index in range(request.n):  # each choice's first chunk carries the role, as OpenAI's do
             role = ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
             yield chunk.model_copy(update={"choices": [role]})

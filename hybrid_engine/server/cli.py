@@ -34,7 +34,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="checkpoint directory or 'preset:NAME' (default: the embedded tiny model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: the engine's)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model name(s) clients send as `model`; responses name the one asked for, else the "
+                        "first (default: the engine's)")
     p.add_argument("--device", default=None, help="'cuda' or 'cpu' (default: cuda when available)")
     p.add_argument("--dtype", default="auto", choices=sorted(DTYPES))
     p.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=MAMBA_SSM_CACHE_DTYPES,
@@ -247,12 +249,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:  # from here on, every way out stops the engine (and its process)
         info = llm.info
-        served = args.served_model_name or info.model_name
+        served = args.served_model_name or [info.model_name]
         logger.info(
-            "serving %r (model %s) on http://%s:%d | device=%s dtype=%s kernels=%s | capacity: %d concurrent "
+            "serving %s (model %s) on http://%s:%d | device=%s dtype=%s kernels=%s | capacity: %d concurrent "
             "requests (+%d waiting, at most %d prompts per request), %d KV tokens (%d blocks x %d), max context %d "
             "tokens | engine %s",
-            served, info.model_name, args.host, args.port, info.device, info.dtype, info.kernels, info.max_num_seqs,
+            ", ".join(map(repr, served)), info.model_name, args.host, args.port, info.device, info.dtype, info.kernels, info.max_num_seqs,
             args.max_waiting_requests, llm.max_prompts_per_request, info.kv_tokens, info.total_kv_blocks,
             info.kv_block_size, info.max_request_tokens,
             "on a thread" if llm.engine_pid is None else f"process {llm.engine_pid}",

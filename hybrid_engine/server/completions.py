@@ -45,12 +45,12 @@ class CompletionsHandler(OpenAIServing[CompletionRequest]):
                              finish_reason=out.finish_reason, stop_reason=out.stop_reason)
             for i, out in enumerate(finals)
         ]
-        return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
+        return CompletionResponse(id=request_id, model=self.response_model(request), choices=choices,
                                   usage=usage(finals, request.n))
 
     async def _chunks(self, request: CompletionRequest, request_id: str,
                       generation: Generation) -> AsyncIterator[CompletionResponse]:
-        first = CompletionResponse(id=request_id, model=self.served_model_name, choices=[])
+        first = CompletionResponse(id=request_id, model=self.response_model(request), choices=[])
         text_offsets = [0] * (len(request.prompt) * request.n)
         finals: list[RequestOutput | None] = [None] * len(text_offsets)  # by choice index
         async for index, out in generation:

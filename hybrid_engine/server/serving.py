@@ -237,9 +237,9 @@ class OpenAIServing(Generic[Body]):
 
     body_model: type[Body]  # the endpoint's request model
 
-    def __init__(self, llm: AsyncLLM, served_model_name: str, tokenizer_thread: TokenizerThread,
+    def __init__(self, llm: AsyncLLM, served_model_names: list[str], tokenizer_thread: TokenizerThread,
                  texts: TokenTexts):
-        self.llm, self.info, self.served_model_name = llm, llm.info, served_model_name
+        self.llm, self.info, self.served_model_names = llm, llm.info, served_model_names
         self.tokenizer_thread, self.texts = tokenizer_thread, texts
 
     async def prepare(self, raw: bytes, content_type: str | None) -> tuple[Body, EngineInputs]:
@@ -260,11 +260,16 @@ class OpenAIServing(Generic[Body]):
 
     # ---- request checks ----------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
-        """404 unless `model` is absent or the served name."""
-        if model is not None and model != self.served_model_name:
-            raise APIError(f"the model {clipped(repr(model))} does not exist; this server serves "
-                           f"{self.served_model_name!r}",
+        """404 unless `model` is absent or one of the served names."""
+        if model is not None and model not in self.served_model_names:
+            served = ", ".join(map(repr, self.served_model_names))
+            raise APIError(f"the model {clipped(repr(model))} does not exist; this server serves {served}",
                            status=404, param="model", code="model_not_found")
+
+    def response_model(self, request: SamplingRequest) -> str:
+        """The `model` a response names: the one the request named, else the first served
+        name (as vLLM answers)."""
+        return request.model or self.served_model_names[0]
 
     def prompt_ids(self, prompt: str | list[int], param: str, add_special_tokens: bool = True) -> list[int]:
         """A prompt's token ids, checked against the model (`hybrid_engine.prompts`, as the

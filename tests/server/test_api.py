@@ -1,4 +1,6 @@
 """The OpenAI-compatible endpoints through the official `openai` client (and httpx)."""
+import json
+
 import httpx
 import openai
 import pytest
@@ -6,11 +8,13 @@ from fastapi import HTTPException
 from fastapi.exceptions import RequestValidationError
 
 from hybrid_engine import LLM, SamplingParams
+from hybrid_engine.config import EngineConfig
+from hybrid_engine.engine import LLMEngine
 from hybrid_engine.server.bodies import validated
 from hybrid_engine.server.protocol import CompletionRequest
 from hybrid_engine.sampling import derive_seed
 from hybrid_engine.tokenizer import build_byte_tokenizer
-from tests.server.conftest import MAX_MODEL_LEN, Server
+from tests.server.conftest import MAX_MODEL_LEN, Server, serve_in_thread
 
 MODEL = "hybrid-engine/embedded-tiny"
 GREEDY = dict(temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
@@ -439,3 +443,25 @@ def test_body_errors_are_fastapis():
     assert kinds[:3] == ["json_invalid", "missing", "int_type"] and kinds[3].endswith("_type") and kinds[4] == 400
     assert kinds[5].endswith("_type") and kinds[6].endswith("_type")  # no Content-Type; a JSON null
     assert errors[2].errors()[0]["loc"] == ("body", "max_tokens")
+
+
+def test_several_served_model_names():
+    """`--served-model-name a b` (vLLM's): every name is a model card and may be asked for;
+    a response names the model the request asked for, else the first name."""
+    config = EngineConfig(device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN)
+    with serve_in_thread(lambda: LLMEngine(config), served_model_names=["first", "second"]) as server:
+        cards = httpx.get(f"{server.url}/v1/models").json()["data"]
+        assert [card["id"] for card in cards] == ["first", "second"]
+        assert {card["root"] for card in cards} == {MODEL}
+        assert httpx.get(f"{server.url}/v1/models/second").json()["id"] == "second"
+        body = {"prompt": "hi", "max_tokens": 2}
+        for asked, named in ((None, "first"), ("first", "first"), ("second", "second")):
+            r = httpx.post(f"{server.url}/v1/completions", json={**body, "model": asked}, timeout=60)
+            assert r.status_code == 200 and r.json()["model"] == named, r.text
+        r = httpx.post(f"{server.url}/v1/chat/completions",
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "model": "second",
+                             "stream": True}, timeout=60)
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        assert chunks and {chunk["model"] for chunk in chunks} == {"second"}
+        missing = httpx.post(f"{server.url}/v1/completions", json={**body, "model": MODEL}, timeout=60)
+        assert missing.status_code == 404 and "'first', 'second'" in missing.json()["error"]["message"]

@@ -117,6 +117,11 @@ def test_speculative_config_flag(capsys):
         assert message in capsys.readouterr().err
 
 
+def test_served_model_names():
+    assert parse_args([]).served_model_name is None
+    assert parse_args(["--served-model-name", "a", "b/c"]).served_model_name == ["a", "b/c"]
+
+
 def test_mamba_ssm_cache_dtype_flag():
     assert engine_config(parse_args([])).mamba_ssm_cache_dtype == "auto"
     assert engine_config(parse_args(["--mamba-ssm-cache-dtype", "bfloat16"])).mamba_ssm_cache_dtype == "bfloat16"
