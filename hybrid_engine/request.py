@@ -174,8 +174,12 @@ class Request:
     def make_output(self) -> RequestOutput:
         """Snapshot for the caller (O(1)); takes (and clears) the pending streaming delta."""
         detok = self.detokenizer
+        # Text held back for a possible stop string is flushed into the stream at every other
+        # finish; a failed request's detokenizer is not run again, so its text ends where its
+        # stream did.
+        held = "" if detok is None or self.finish_reason == "error" else detok.held_text
         out = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.output_token_ids, self.logprobs,
-                            None if detok is None else detok.text_pieces, "" if detok is None else detok.held_text,
+                            None if detok is None else detok.text_pieces, held,
                             self.status is RequestStatus.FINISHED, self.finish_reason, self.stop_reason,
                             self.pending_token_ids, self.pending_text, self.error, self.num_cached_tokens or 0)
         self.pending_token_ids, self.pending_text = [], ""

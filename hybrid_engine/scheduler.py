@@ -496,6 +496,8 @@ class Scheduler:
         """End a request (`stop`, `length`, `abort`, or `error` with its message). Its
         resources return to the pools once no launched row can touch them."""
         detok = request.detokenizer
+        # (Not after an error: it may have come from the detokenizer itself. `make_output`
+        # then leaves the held-back text out of `text` too.)
         if reason != "error" and detok is not None and detok.stop_reason is None:
             request.pending_text += detok.flush()
             if detok.stop_reason is not None and reason != "abort":

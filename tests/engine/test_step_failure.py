@@ -212,3 +212,25 @@ def test_generate_interrupted_leaves_the_llm_ready(make_llm, clean_runs, async_s
     outs = llm.generate(prompts, params, use_tqdm=False)
     clean = clean_runs[async_scheduling]
     assert [o.output_token_ids for o in outs] == [clean[rid].output_token_ids for _, rid, _, _ in _work()]
+
+
+def test_an_error_finish_has_the_text_its_stream_carried(make_llm):
+    """A request that fails while text is held back (it may start a stop string) ends with
+    `text` equal to what its stream carried: the held-back tail goes to neither."""
+    llm = make_llm(async_scheduling=False)
+    engine, prompt = llm.engine, byte_prompt(7, 2)
+    free = llm.generate([prompt], greedy(8), use_tqdm=False)[0]
+    # A stop string that starts with an ASCII character the request generates (and never
+    # completes): from that token on, its text is held back.
+    at = next(i for i, t in enumerate(free.output_token_ids) if i >= 1 and 33 <= t < 127)
+    params = greedy(8, stop=[chr(free.output_token_ids[at]) + "\x00never"])
+    _fail_at(engine, "launch", {at + 1})  # the step after that token (serial: a launch per step)
+    engine.add_request("r", prompt, params)
+    stream = []
+    while engine.has_unfinished_requests():
+        stream += engine.step()
+    final = stream[-1]
+    assert final.finish_reason == "error" and len(final.output_token_ids) == at + 1
+    assert "".join(out.new_text for out in stream) == final.text
+    assert final.output_token_ids == free.output_token_ids[:at + 1]
+    assert_drained(engine)
