@@ -1,14 +1,18 @@
-"""The offline API: `LLM(...).generate(prompts, sampling_params)`."""
+"""The offline API: `LLM(...).generate(prompts, sampling_params)` and `LLM(...).chat(messages)`."""
+import functools
+import re
 import threading
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 from tqdm import tqdm
 
+from hybrid_engine.chat_template import render_chat
 from hybrid_engine.config import EngineConfig
 from hybrid_engine.engine import LLMEngine
 from hybrid_engine.request import RequestOutput
-from hybrid_engine.sampling_params import SamplingParams, is_integral
+from hybrid_engine.sampling_params import ParameterError, SamplingParams, is_integral
+from hybrid_engine.tokenizer import special_token_pattern
 
 Prompt = str | list[int]
 
@@ -39,6 +43,45 @@ class LLM:
     def get_tokenizer(self):
         """The model's tokenizer, or None for checkpoints without tokenizer files."""
         return self.engine.tokenizer
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
+        use_tqdm: bool = True,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Reply to one conversation (a list of OpenAI-style message dicts) or several (a
+        list of them), as vLLM's `LLM.chat`: each is rendered with the tokenizer's chat
+        template (`hybrid_engine.chat_template.render_chat`, as the server renders chat:
+        message contents are plain text, so "<|im_end|>" in one stays those characters),
+        then generated as `generate` does; outputs come back in conversation order.
+        `add_generation_prompt` ends the prompt with the assistant prefix;
+        `continue_final_message` (with it false) leaves the last, assistant, message open
+        for the model to continue; `chat_template_kwargs` are extra template variables,
+        e.g. {"enable_thinking": False}. Invalid input raises ValueError naming the field."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ParameterError("messages", "messages: this model has no tokenizer (and so no chat template); "
+                                             "generate from token ids instead")
+        if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, dict) for m in messages):
+            conversations = [messages]
+        elif isinstance(messages, (list, tuple)) and all(isinstance(c, (list, tuple)) for c in messages):
+            conversations = list(messages)
+        else:
+            raise ParameterError("messages", "messages must be a list of message dicts, or a list of such lists")
+        prompts = [render_chat(tokenizer, list(conversation), self._special_tokens,
+                               add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, template_kwargs=chat_template_kwargs)
+                   for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    @functools.cached_property
+    def _special_tokens(self) -> re.Pattern[str]:
+        return special_token_pattern(self.engine.tokenizer)
 
     def generate(
         self,

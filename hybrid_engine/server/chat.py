@@ -1,28 +1,20 @@
 """POST /v1/chat/completions: messages rendered with the tokenizer's chat template."""
 import functools
 import re
-import secrets
 import uuid
 from typing import AsyncIterator
 
 from starlette.responses import Response
 
-from hybrid_engine.prompts import encode_prompt
+from hybrid_engine.chat_template import render_chat
 from hybrid_engine.request import RequestOutput
 from hybrid_engine.server.async_llm import Generation
 from hybrid_engine.server.errors import APIError, invalid_input
 from hybrid_engine.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                           ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatMessage,
+                                           ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
                                            DeltaMessage, TemplateOptions, TokenLogprob, TopLogprob)
 from hybrid_engine.server.serving import EngineInputs, OpenAIServing, logprob_rows, render_off_loop, usage
 from hybrid_engine.tokenizer import special_token_pattern
-
-# Message texts stand in the rendered template as "<_MARK>nonce-n<_MARK>": a private-use
-# character around a random nonce drawn for each request, so that no client text (a tool
-# call's arguments, a name: fields the template writes as they are) can spell a placeholder
-# and have another message's text put in its place.
-_MARK = "\ue000"
-
 
 class ChatHandler(OpenAIServing[ChatCompletionRequest]):
     """Serves chat completions (`n` choices), streamed or not, with the chat logprobs format."""
@@ -57,95 +49,24 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
                                       usage=usage(finals, request.n))
 
     def encode_messages(self, request: TemplateOptions) -> list[int]:
-        """The prompt's token ids: the chat template rendered with the assistant prefix
-        (`add_generation_prompt`), or with the last assistant message left open
-        (`continue_final_message`), and the request's `chat_template_kwargs`.
-
-        Only the template's own markup may yield special tokens: message text is tokenized
-        as plain text, so a user who writes "<|im_end|>" gets those characters, not the
-        end-of-turn token (role injection). Each text is rendered as a unique placeholder,
-        and the rendered prompt is tokenized piece by piece around them.
-        """
+        """The prompt's token ids: the messages through the chat template with the
+        request's template options (`hybrid_engine.chat_template.render_chat`: only the
+        template's own markup yields special tokens). 400 naming the field otherwise."""
         tokenizer = self.tokenizer_thread.tokenizer
         if tokenizer is None:
             raise APIError("this model has no tokenizer (and so no chat template): use /v1/completions with token "
                            "ids", param="messages")
-        texts: dict[str, str] = {}
-        nonce = secrets.token_hex(8)
-
-        def placeholder(text: str) -> str:
-            key = f"{_MARK}{nonce}-{len(texts)}{_MARK}"
-            texts[key] = text
-            return key
-
-        self._check_template_variables(request.chat_template_kwargs)
-        dicts = []
-        for i, message in enumerate(request.messages):
-            self._check_markup_free(message, i)
-            d = message.template_dict()
-            if d["content"]:  # (an empty text stays empty: templates test content for truth)
-                d["content"] = placeholder(d["content"])
-            dicts.append(d)
         try:
-            # Render to text, then encode: transformers 5 returns a BatchEncoding (not ids)
-            # from apply_chat_template(tokenize=True).
-            rendered = tokenizer.apply_chat_template(dicts, tokenize=False,
-                                                     add_generation_prompt=request.add_generation_prompt,
-                                                     continue_final_message=request.continue_final_message,
-                                                     **request.chat_template_kwargs)
-        except Exception as exc:  # no template, or the template rejects these messages
-            raise APIError(f"the chat template cannot render these messages: {exc}", param="messages") from exc
-        ids: list[int] = []
-        # The template already holds any special tokens (BOS included) it wants.
-        for piece in re.split(f"({_MARK}{nonce}-[0-9]+{_MARK})", rendered):
-            if piece in texts:
-                ids += self._tokenize(texts[piece], plain_text=True)
-            elif piece:
-                ids += self._tokenize(piece, plain_text=False)
-        return ids
-
-    def _check_markup_free(self, message: ChatMessage, index: int) -> None:
-        """400 naming the field if a message's name, tool_call_id, or a tool call's id, name
-        or arguments hold a special token's text: templates write those as markup, not as
-        placeholder text, so the text would become the token itself (role injection).
-        Arguments are checked as written and as the template gets them (every key and value
-        of the parsed JSON object), since JSON escapes such as \\u003c spell a token's
-        text only once parsed."""
-        fields = [("name", message.name), ("tool_call_id", message.tool_call_id)]
-        for j, call in enumerate(message.tool_calls or ()):
-            fields += [(f"tool_calls.{j}.id", call.id), (f"tool_calls.{j}.function.name", call.function.name),
-                       (f"tool_calls.{j}.function.arguments", call.function.arguments)]
-            parsed = call.template_dict()["function"]["arguments"]
-            fields += [(f"tool_calls.{j}.function.arguments", text) for text in _strings_in(parsed)]
-        for field, text in fields:
-            found = self._special_tokens.search(text) if text else None
-            if found is not None:
-                param = f"messages.{index}.{field}"
-                raise APIError(f"{param} must not contain the special token {found.group()!r}", param=param,
-                               code="invalid_value")
-
-    def _check_template_variables(self, variables: dict[str, object]) -> None:
-        """400 naming the variable if a `chat_template_kwargs` string (key or value, at any
-        depth) holds a special token's text: the template writes it as markup."""
-        for key, value in variables.items():
-            for text in _strings_in({key: value}):
-                found = self._special_tokens.search(text) if text else None
-                if found is not None:
-                    param = f"chat_template_kwargs.{key}"
-                    raise APIError(f"{param} must not contain the special token {found.group()!r}", param=param,
-                                   code="invalid_value")
+            return render_chat(tokenizer, [message.template_dict() for message in request.messages],
+                               self._special_tokens, add_generation_prompt=request.add_generation_prompt,
+                               continue_final_message=request.continue_final_message,
+                               template_kwargs=request.chat_template_kwargs)
+        except ValueError as exc:
+            raise invalid_input(exc) from exc
 
     @functools.cached_property
     def _special_tokens(self) -> re.Pattern[str]:
         return special_token_pattern(self.info.tokenizer)
-
-    def _tokenize(self, text: str, plain_text: bool) -> list[int]:
-        """Token ids of part of a chat prompt (400 naming "messages" if it is not valid text)."""
-        try:
-            return encode_prompt(text, self.tokenizer_thread.tokenizer, "messages", add_special_tokens=False,
-                                 split_special_tokens=plain_text)
-        except ValueError as exc:
-            raise invalid_input(exc) from exc
 
     async def _chunks(self, request: ChatCompletionRequest, request_id: str,
                       generation: Generation) -> AsyncIterator[ChatCompletionChunk]:
@@ -179,18 +100,3 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
         return {"token": self.texts.token_text(token_id), "logprob": logprob,
                 "bytes": list(self.texts.token_bytes(token_id))}
 
-
-def _strings_in(value: object) -> list[str]:
-    """Every string in a parsed JSON value, keys included (iteratively: nesting is as deep as
-    the parser allowed)."""
-    strings, stack = [], [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            strings.append(item)
-        elif isinstance(item, dict):
-            strings += item.keys()
-            stack += item.values()
-        elif isinstance(item, list):
-            stack += item
-    return strings

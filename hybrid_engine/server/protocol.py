@@ -303,7 +303,8 @@ class ResponseFormat(StrictModel):
 class TemplateOptions(StrictModel):
     """vLLM's chat template options (chat completions and /tokenize): the assistant prefix
     at the end (or, instead, the last assistant message left open for the model to
-    continue), and extra template variables such as {"enable_thinking": false}."""
+    continue), and extra template variables such as {"enable_thinking": false}. What they
+    need of the messages is checked where they are rendered (`render_chat`)."""
 
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
@@ -318,17 +319,6 @@ class TemplateOptions(StrictModel):
             raise PydanticCustomError("invalid_value", "chat_template_kwargs must not set {keys}: those are the "
                                       "request's own fields or the renderer's", {"keys": clipped(repr(taken))})
         return value
-
-    @model_validator(mode="after")
-    def _continue_or_prompt(self) -> "TemplateOptions":
-        if self.continue_final_message and self.add_generation_prompt:
-            raise PydanticCustomError("invalid_value", "continue_final_message needs add_generation_prompt false: "
-                                      "the last message is continued, so no new assistant turn starts",
-                                      {"param": "continue_final_message"})
-        if self.continue_final_message and self.messages and self.messages[-1].role != "assistant":
-            raise PydanticCustomError("invalid_value", "continue_final_message needs an assistant message last",
-                                      {"param": "continue_final_message"})
-        return self
 
 
 class ChatCompletionRequest(SamplingRequest, TemplateOptions):
