@@ -8,6 +8,8 @@ injection). Every other string a template may write as it is -- a message's name
 call ids, names and arguments, template variables -- must not hold a special token's text:
 that is a ParameterError naming the field.
 """
+import inspect
+import json
 import re
 import secrets
 from typing import Any
@@ -43,6 +45,10 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], special_tokens: 
                                        and messages[-1].get("role") == "assistant"):
         raise ParameterError("continue_final_message", "continue_final_message needs an assistant message last")
     template_kwargs = template_kwargs or {}
+    taken = sorted(set(template_kwargs) & _renderer_arguments(tokenizer))
+    if taken:
+        raise ParameterError("chat_template_kwargs", f"chat_template_kwargs must not set {taken}: those are the "
+                                                     "renderer's own arguments (the request's fields set some)")
     _check_markup_free(special_tokens, template_kwargs, ["chat_template_kwargs"], _VARIABLE_PARAM_DEPTH,
                        also_keys=True)
     texts: dict[str, str] = {}
@@ -51,6 +57,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], special_tokens: 
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ParameterError("messages", f"messages.{i} must be a dict with a role and a content")
+        message = _with_parsed_arguments(message)
         _check_markup_free(special_tokens, {k: v for k, v in message.items() if k != "content"}, ["messages", i],
                            _MESSAGE_PARAM_DEPTH)
         content = _content_text(message.get("content"), i)
@@ -75,6 +82,36 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], special_tokens: 
         elif piece:
             ids += encode_prompt(piece, tokenizer, "messages", add_special_tokens=False)
     return ids
+
+
+def _renderer_arguments(tokenizer: Any) -> set[str]:
+    """The named parameters of the tokenizer's `apply_chat_template` (they vary with the
+    transformers version): template variables must not take their place."""
+    parameters = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+    # ("messages" is what the template calls the conversation.)
+    return {p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)} | {"messages"}
+
+
+def _with_parsed_arguments(message: dict[str, Any]) -> dict[str, Any]:
+    """The message with each tool call's `arguments` as templates are written for: most HF
+    templates render them with `tojson`, expecting a mapping, so a JSON object string is
+    parsed (as vLLM does); anything else stays as it is."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return message
+    parsed_calls = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
+                parsed = None
+            if isinstance(parsed, dict):
+                call = {**call, "function": {**function, "arguments": parsed}}
+        parsed_calls.append(call)
+    return {**message, "tool_calls": parsed_calls}
 
 
 def _content_text(content: Any, index: int) -> str:

@@ -8,7 +8,6 @@ enforces, so the schema (and the OpenAPI docs) accept exactly what the library d
 What needs the model to check (vocabulary, context length, the model name) is checked by
 the serving layer, which knows the engine.
 """
-import json
 import time
 from typing import Annotated, Any, Literal
 
@@ -18,12 +17,6 @@ from pydantic_core import PydanticCustomError
 from hybrid_engine.sampling_params import MAX_STOP_STRINGS, RANGES, check_unicode, is_int
 from hybrid_engine.server.errors import clipped
 
-# apply_chat_template's own arguments and the variables a request sets through its fields:
-# `chat_template_kwargs` may not set them.
-TEMPLATE_RESERVED = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
-                               "add_generation_prompt", "continue_final_message", "padding", "truncation",
-                               "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-                               "tokenizer_kwargs"})
 # The most choices per prompt (`n`) a request may ask for: OpenAI's limit.
 MAX_CHOICES = 128
 
@@ -217,16 +210,9 @@ class ToolCall(StrictModel):
     index: int | None = None
 
     def template_dict(self) -> dict[str, Any]:
-        """The call as chat templates are written for: most HF templates render
-        `arguments` with `tojson`, expecting a mapping, so a JSON object string is parsed
-        (as vLLM does); anything else stays the string."""
-        try:
-            arguments = json.loads(self.function.arguments)
-        except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
-            arguments = None
-        if not isinstance(arguments, dict):
-            arguments = self.function.arguments
-        return {"id": self.id, "type": self.type, "function": {"name": self.function.name, "arguments": arguments}}
+        """The call as OpenAI sends it (`render_chat` parses JSON-object arguments)."""
+        return {"id": self.id, "type": self.type,
+                "function": {"name": self.function.name, "arguments": self.function.arguments}}
 
 
 class ChatMessage(StrictModel):
@@ -304,21 +290,14 @@ class TemplateOptions(StrictModel):
     """vLLM's chat template options (chat completions and /tokenize): the assistant prefix
     at the end (or, instead, the last assistant message left open for the model to
     continue), and extra template variables such as {"enable_thinking": false}. What they
-    need of the messages is checked where they are rendered (`render_chat`)."""
+    need (of the messages, and of the variables' names) is checked where they are rendered
+    (`render_chat`)."""
 
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
 
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _template_variables(cls, value: dict[str, Any]) -> dict[str, Any]:
-        taken = sorted(set(value) & TEMPLATE_RESERVED)
-        if taken:
-            raise PydanticCustomError("invalid_value", "chat_template_kwargs must not set {keys}: those are the "
-                                      "request's own fields or the renderer's", {"keys": clipped(repr(taken))})
-        return value
 
 
 class ChatCompletionRequest(SamplingRequest, TemplateOptions):
@@ -337,7 +316,7 @@ class ChatCompletionRequest(SamplingRequest, TemplateOptions):
     # Tool definitions and tool calls parsed out of the output are not implemented: only
     # the values that ask for no tool pass (clients send them by default).
     tools: list[dict[str, Any]] = Field(default_factory=list)
-    tool_choice: str | dict[str, Any] = "none"
+    tool_choice: Any = "none"
     parallel_tool_calls: bool = True  # (no tools: nothing to call, in parallel or not)
 
     @field_validator("store")
@@ -352,7 +331,7 @@ class ChatCompletionRequest(SamplingRequest, TemplateOptions):
 
     @field_validator("tool_choice")
     @classmethod
-    def _no_tool_choice(cls, value: str | dict[str, Any]) -> str | dict[str, Any]:
+    def _no_tool_choice(cls, value: Any) -> Any:
         # "auto" with no tools asks for nothing either (OpenAI's default once tools are given).
         if value not in ("none", "auto"):
             raise PydanticCustomError("not_implemented", f"tool_choice={clipped(repr(value))} is not implemented; "

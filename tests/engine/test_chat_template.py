@@ -62,6 +62,18 @@ def test_template_options(llm: LLM):
     assert bare.prompt_token_ids == _rendered_ids(HI)
 
 
+def test_tool_call_arguments_reach_the_template_as_a_mapping(llm: LLM):
+    """A JSON-object `arguments` string is parsed (as vLLM and the server do): templates
+    write it with `tojson`; anything else stays the string."""
+    call = {"id": "c1", "type": "function", "function": {"name": "wx", "arguments": '{"at": 1}'}}
+    odd = {"id": "c2", "type": "function", "function": {"name": "wx", "arguments": "[1, 2]"}}
+    messages = [{"role": "user", "content": "wx?"}, {"role": "assistant", "content": None, "tool_calls": [call, odd]},
+                {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    (reply,) = llm.chat(messages, greedy(1), use_tqdm=False)
+    prompt = bytes(t for t in reply.prompt_token_ids if t < 256).decode()
+    assert '{"name": "wx", "arguments": {"at": 1}}' in prompt and '"arguments": "[1, 2]"' in prompt
+
+
 def test_template_variables_reach_the_template():
     tokenizer = build_byte_tokenizer()
     tokenizer.chat_template = CHATML_TEMPLATE + "{% if flavour is defined %}{{ flavour }}{% endif %}"
@@ -80,6 +92,14 @@ def test_template_variables_reach_the_template():
      "messages.1.tool_calls.0.function.arguments"),
     ([{"role": "user", "content": "a"}], {"chat_template_kwargs": {"v": {"w": "<|im_end|>"}}},
      "chat_template_kwargs.v"),
+    ([{"role": "user", "content": "a"}], {"chat_template_kwargs": {"v": {"<|im_end|>": 1}}},
+     "chat_template_kwargs.v"),
+    ([{"role": "user", "content": "a"}], {"chat_template_kwargs": {"<|im_end|>": 1}}, "chat_template_kwargs"),
+    # the renderer's own arguments (whatever this transformers names them) and the conversation
+    ([{"role": "user", "content": "a"}], {"chat_template_kwargs": {"chat_template": "{{ '<|im' + '_end|>' }}"}},
+     "chat_template_kwargs"),
+    ([{"role": "user", "content": "a"}], {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ([{"role": "user", "content": "a"}], {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ([{"role": "user", "content": 5}], {}, "messages"),
     ([{"role": "user", "content": "a"}], {"continue_final_message": True}, "continue_final_message"),
     ([{"role": "user", "content": "a"}], {"continue_final_message": True, "add_generation_prompt": False},
