@@ -94,7 +94,6 @@ def build_app(llm: AsyncLLM, served_model_names: list[str] | None = None,
     def model_card(name: str) -> ModelCard:
         return ModelCard(id=name, root=llm.info.model_name, max_model_len=llm.info.max_request_tokens)
 
-
     @app.get("/v1/models")
     async def list_models() -> Response:
         """The served model, a card per served name."""
