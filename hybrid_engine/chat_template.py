@@ -35,7 +35,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], special_tokens: 
     text parts) through the tokenizer's chat template, with the assistant prefix
     (`add_generation_prompt`) or the last assistant message left open
     (`continue_final_message`), and `template_kwargs` as extra template variables.
-    `special_tokens`: `tokenizer.special_token_pattern(tokenizer)`. ParameterError naming
+    `special_tokens`: `hybrid_engine.tokenizer.special_token_pattern(tokenizer)`. ParameterError naming
     the field for a special token's text outside the contents, a content that is no text,
     or messages the template cannot render."""
     if continue_final_message and add_generation_prompt:
