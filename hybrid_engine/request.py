@@ -19,6 +19,22 @@ class RequestStatus(Enum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True)
+class CompletionOutput:
+    """vLLM's per-completion view of an output (`RequestOutput.outputs[0]`), for code
+    written against vLLM's `out.outputs[0].text`. One request is one completion here, so
+    `index` is 0; `cumulative_logprob` sums the sampled tokens' logprobs (None unless
+    logprobs were requested)."""
+
+    index: int
+    text: str | None
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    stop_reason: str | int | None
+
+
 class RequestOutput:
     """One request's state as returned by `LLM.generate` / `LLMEngine.step`.
 
@@ -75,6 +91,13 @@ class RequestOutput:
         if self._text_parts is None:
             return None
         return "".join(self._text_parts[: self._num_text_parts]) + self._text_tail
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """The same output in vLLM's shape: a list of one `CompletionOutput` (built on read)."""
+        logprobs, token_ids = self.logprobs, self.output_token_ids
+        cumulative = None if logprobs is None else sum(row[t] for t, row in zip(token_ids, logprobs))
+        return [CompletionOutput(0, self.text, token_ids, cumulative, logprobs, self.finish_reason, self.stop_reason)]
 
     def merge_earlier(self, earlier: list["RequestOutput"]) -> None:
         """Fold earlier outputs of the same request (oldest first) that nobody consumed into

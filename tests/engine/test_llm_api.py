@@ -6,7 +6,7 @@ import threading
 import numpy as np
 import pytest
 
-from hybrid_engine import LLM, RequestOutput, SamplingParams
+from hybrid_engine import LLM, CompletionOutput, RequestOutput, SamplingParams
 from tests.engine.engine_helpers import assert_drained, byte_prompt, greedy, seeded
 
 
@@ -214,3 +214,18 @@ def test_generate_names_what_is_wrong_with_its_arguments(make_llm, prompts, samp
     with pytest.raises(ValueError, match=f"^{field} must be "):
         llm.generate(prompts, sampling_params, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_outputs_in_vllms_shape(make_llm):
+    """`out.outputs[0]` (vLLM's CompletionOutput) holds the flat fields; its cumulative
+    logprob is the sampled tokens' logprobs summed (None without logprobs)."""
+    llm = make_llm()
+    with_logprobs, plain = llm.generate(["abc", "xyz"], [seeded(6, seed=2, logprobs=2), greedy(5)], use_tqdm=False)
+    (first,) = with_logprobs.outputs
+    assert isinstance(first, CompletionOutput) and first.index == 0
+    assert (first.text, first.token_ids, first.logprobs, first.finish_reason, first.stop_reason) == (
+        with_logprobs.text, with_logprobs.output_token_ids, with_logprobs.logprobs, with_logprobs.finish_reason,
+        with_logprobs.stop_reason)
+    expected = sum(row[t] for t, row in zip(with_logprobs.output_token_ids, with_logprobs.logprobs))
+    assert first.cumulative_logprob == pytest.approx(expected) and first.cumulative_logprob < 0
+    assert plain.outputs[0].cumulative_logprob is None and plain.outputs[0].token_ids == plain.output_token_ids
