@@ -297,7 +297,14 @@ class TemplateOptions(StrictModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # Tool definitions for the template are not implemented: only [] passes (clients send it
+    # by default).
+    tools: list[dict[str, Any]] = Field(default_factory=list)
 
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return only_neutral("tools", value, [])
 
 
 class ChatCompletionRequest(SamplingRequest, TemplateOptions):
@@ -313,9 +320,8 @@ class ChatCompletionRequest(SamplingRequest, TemplateOptions):
     response_format: ResponseFormat | None = None
     store: bool = False
     metadata: dict[str, str] = Field(default_factory=dict)
-    # Tool definitions and tool calls parsed out of the output are not implemented: only
-    # the values that ask for no tool pass (clients send them by default).
-    tools: list[dict[str, Any]] = Field(default_factory=list)
+    # Tool calls parsed out of the output are not implemented: only the values that ask for
+    # no tool pass (clients send them by default).
     tool_choice: Any = "none"
     parallel_tool_calls: bool = True  # (no tools: nothing to call, in parallel or not)
 
@@ -323,11 +329,6 @@ class ChatCompletionRequest(SamplingRequest, TemplateOptions):
     @classmethod
     def _nothing_stored(cls, value: bool) -> bool:
         return only_neutral("store", value, False)
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return only_neutral("tools", value, [])
 
     @field_validator("tool_choice")
     @classmethod
@@ -337,7 +338,6 @@ class ChatCompletionRequest(SamplingRequest, TemplateOptions):
             raise PydanticCustomError("not_implemented", f"tool_choice={clipped(repr(value))} is not implemented; "
                                       "only 'none' or 'auto' (with no tools) is accepted")
         return value
-
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":

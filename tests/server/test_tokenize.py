@@ -33,7 +33,7 @@ def test_tokenize_a_prompt_as_completions_encode_it(server: Server):
     assert "token_strs" not in _post(server, "/tokenize", {"prompt": "a"}).json()
 
 
-@pytest.mark.parametrize("options", [{}, {"add_generation_prompt": False},
+@pytest.mark.parametrize("options", [{}, {"tools": []}, {"add_generation_prompt": False},
                                      {"add_generation_prompt": False, "continue_final_message": True}])
 def test_tokenize_messages_as_chat_renders_them(server: Server, options: dict):
     messages = USER + [{"role": "assistant", "content": "Hel"}] if options.get("continue_final_message") else USER
@@ -59,6 +59,7 @@ def test_detokenize_returns_the_text(server: Server):
     ("/tokenize", {"prompt": 5}, "prompt"),
     ("/tokenize", {"prompt": "a", "bogus": 1}, "bogus"),
     ("/tokenize", {"messages": USER, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ("/tokenize", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/detokenize", {"tokens": [1, 261]}, "tokens"),
     ("/detokenize", {"tokens": [-1]}, "tokens"),
     ("/detokenize", {"tokens": "abc"}, "tokens"),
