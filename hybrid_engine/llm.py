@@ -56,8 +56,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Reply to one conversation (a list of OpenAI-style message dicts) or several (a
         list of them), as vLLM's `LLM.chat`: each is rendered with the tokenizer's chat
-        template (`hybrid_engine.chat_template.render_chat`, as the server renders chat:
-        message contents are plain text, so "<|im_end|>" in one stays those characters),
+        template (`hybrid_engine.chat_template.render_chat`, as the server renders chat: the
+        template reads the real contents, e.g. a "/no_think" switch, but they never yield
+        special tokens, so "<|im_end|>" in one stays those characters),
         then generated as `generate` does; outputs come back in conversation order.
         `add_generation_prompt` ends the prompt with the assistant prefix;
         `continue_final_message` (with it false) leaves the last, assistant, message open
