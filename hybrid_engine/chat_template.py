@@ -71,9 +71,9 @@ class _Piece:
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], special_tokens: re.Pattern[str], *,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
-                template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                template_kwargs: dict[str, Any] | None = None, chat_template: str | None = None) -> list[int]:
     """The prompt's token ids: `messages` (OpenAI-style dicts; content a string, None, or
-    text parts) through the tokenizer's chat template, with the assistant prefix
+    text parts) through `chat_template` (a Jinja template; default: the tokenizer's), with the assistant prefix
     (`add_generation_prompt`) or the last assistant message left open
     (`continue_final_message`), and `template_kwargs` as extra template variables.
     `special_tokens`: `hybrid_engine.tokenizer.special_token_pattern(tokenizer)`. ParameterError naming
@@ -109,7 +109,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], special_tokens: 
             return tokenizer.apply_chat_template(
                 [{**message, "content": text} for message, text in zip(dicts, texts)], tokenize=False,
                 add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                **template_kwargs)
+                chat_template=chat_template, **template_kwargs)
         except Exception as exc:  # no template, or the template rejects these messages
             raise ParameterError("messages", f"messages: the chat template cannot render these messages: "
                                              f"{exc}") from exc
@@ -323,6 +323,16 @@ def _plain_ids(text: str, tokenizer: Any) -> list[int]:
     """`text` encoded with special-token strings as plain text."""
     return encode_prompt(text, tokenizer, "messages", add_special_tokens=False, split_special_tokens=True) \
         if text else []
+
+
+def load_chat_template(value: str) -> str:
+    """A chat template given as vLLM's `--chat-template` takes it: the Jinja text itself
+    (anything with a Jinja delimiter in it), else the path of a file holding it. OSError for
+    a file that cannot be read."""
+    if "{{" in value or "{%" in value:
+        return value
+    with open(value, encoding="utf-8") as f:
+        return f.read()
 
 
 def _renderer_arguments(tokenizer: Any) -> set[str]:

@@ -53,6 +53,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Reply to one conversation (a list of OpenAI-style message dicts) or several (a
         list of them), as vLLM's `LLM.chat`: each is rendered with the tokenizer's chat
@@ -63,7 +64,8 @@ class LLM:
         `add_generation_prompt` ends the prompt with the assistant prefix;
         `continue_final_message` (with it false) leaves the last, assistant, message open
         for the model to continue; `chat_template_kwargs` are extra template variables,
-        e.g. {"enable_thinking": False}. Invalid input raises ValueError naming the field."""
+        e.g. {"enable_thinking": False}; `chat_template` is a Jinja template to use instead
+        of the tokenizer's. Invalid input raises ValueError naming the field."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ParameterError("messages", "messages: this model has no tokenizer (and so no chat template); "
@@ -76,7 +78,8 @@ class LLM:
             raise ParameterError("messages", "messages must be a list of message dicts, or a list of such lists")
         prompts = [render_chat(tokenizer, list(conversation), self._special_tokens,
                                add_generation_prompt=add_generation_prompt,
-                               continue_final_message=continue_final_message, template_kwargs=chat_template_kwargs)
+                               continue_final_message=continue_final_message, template_kwargs=chat_template_kwargs,
+                               chat_template=chat_template)
                    for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

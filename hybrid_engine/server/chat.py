@@ -21,6 +21,11 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
 
     body_model = ChatCompletionRequest
 
+    def __init__(self, *args, chat_template: str | None = None, **kwargs):
+        """`chat_template`: the server's `--chat-template` (default: the tokenizer's)."""
+        super().__init__(*args, **kwargs)
+        self.chat_template = chat_template
+
     async def create(self, raw: bytes, content_type: str | None) -> Response:
         """Validate, run, and answer one chat completions request (its body's bytes)."""
         request, inputs = await self.prepare(raw, content_type)
@@ -60,7 +65,7 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
             return render_chat(tokenizer, [message.template_dict() for message in request.messages],
                                self._special_tokens, add_generation_prompt=request.add_generation_prompt,
                                continue_final_message=request.continue_final_message,
-                               template_kwargs=request.chat_template_kwargs)
+                               template_kwargs=request.chat_template_kwargs, chat_template=self.chat_template)
         except ValueError as exc:
             raise invalid_input(exc) from exc
 

@@ -9,10 +9,12 @@ import signal
 import socket
 import sys
 from types import FrameType
+from typing import Any
 
 import torch
 import uvicorn
 
+from hybrid_engine.chat_template import load_chat_template, render_chat
 from hybrid_engine.config import DTYPES, MAMBA_SSM_CACHE_DTYPES, EngineConfig
 from hybrid_engine.engine import LLMEngine
 from hybrid_engine.server.api import build_app
@@ -21,6 +23,7 @@ from hybrid_engine.server.connections import quiet_connection_logs, uvicorn_conf
 from hybrid_engine.server.engine_host import EngineProcessDied
 from hybrid_engine.server.limits import ServerLimits
 from hybrid_engine.spec.config import SpeculativeConfig
+from hybrid_engine.tokenizer import special_token_pattern
 
 logger = logging.getLogger("hybrid_engine.server")
 
@@ -37,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model name(s) clients send as `model`; responses name the one asked for, else the "
                         "first (default: the engine's)")
+    p.add_argument("--chat-template", default=None, metavar="TEMPLATE",
+                   help="the chat template: a Jinja template, or the path of a file holding one (default: the "
+                        "tokenizer's)")
     p.add_argument("--device", default=None, help="'cuda' or 'cpu' (default: cuda when available)")
     p.add_argument("--dtype", default="auto", choices=sorted(DTYPES))
     p.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=MAMBA_SSM_CACHE_DTYPES,
@@ -106,6 +112,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.prefix_cache_max_checkpoints is not None and args.prefix_cache_max_checkpoints < 0:
         p.error(f"--prefix-cache-max-checkpoints must be >= 0, got {args.prefix_cache_max_checkpoints}")
     _check_checkpoint_interval(p, args)
+    if args.chat_template is not None:
+        try:
+            args.chat_template = load_chat_template(args.chat_template)
+        except (OSError, UnicodeDecodeError) as exc:
+            p.error(f"--chat-template: {exc}")
     if not (math.isfinite(args.shutdown_timeout) and args.shutdown_timeout >= 0):
         p.error(f"--shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}")
     try:
@@ -115,6 +126,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as exc:
         p.error(str(exc))
     return args
+
+
+def _chat_template_problem(tokenizer: Any | None, template: str) -> str:
+    """Why the server cannot chat with `template` ("" if it can): a model without a
+    tokenizer, or a template that cannot render one user message (a Jinja syntax error, say)."""
+    if tokenizer is None:
+        return "this model has no tokenizer to render chat with"
+    try:
+        render_chat(tokenizer, [{"role": "user", "content": "hi"}], special_token_pattern(tokenizer),
+                    chat_template=template)
+    except ValueError as exc:
+        return " ".join(str(exc).split())
+    return ""
 
 
 def _check_checkpoint_interval(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -249,6 +273,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:  # from here on, every way out stops the engine (and its process)
         info = llm.info
+        if args.chat_template is not None:
+            problem = _chat_template_problem(info.tokenizer, args.chat_template)
+            if problem:
+                print(f"cannot start: --chat-template: {problem}", file=sys.stderr)
+                return 2
         served = args.served_model_name or [info.model_name]
         logger.info(
             "serving %s (model %s) on http://%s:%d | device=%s dtype=%s kernels=%s | capacity: %d concurrent "
@@ -264,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         # engine and they answer with finish_reason "abort", run the app's shutdown), then
         # restores the previous handler (`_exit_now`, so a signal before uvicorn took over
         # exits too) and re-raises the signal: a clean exit 0.
-        http_config = uvicorn_config(build_app(llm, served, args.limits), args.limits, host=args.host, port=args.port,
+        http_config = uvicorn_config(build_app(llm, served, args.limits, args.chat_template), args.limits, host=args.host, port=args.port,
                                 log_level=args.log_level,
                                 timeout_graceful_shutdown=args.shutdown_timeout + _ABORT_GRACE_S)
         quiet_connection_logs()

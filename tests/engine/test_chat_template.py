@@ -74,6 +74,13 @@ def test_tool_call_arguments_reach_the_template_as_a_mapping(llm: LLM):
     assert '{"name": "wx", "arguments": {"at": 1}}' in prompt and '"arguments": "[1, 2]"' in prompt
 
 
+def test_a_template_of_the_callers_own(llm: LLM):
+    """`chat_template` replaces the tokenizer's (vLLM's `LLM.chat` argument)."""
+    (reply,) = llm.chat(HI[1:], greedy(1), use_tqdm=False, chat_template="{% for m in messages %}<{{ m.role }}>"
+                                                                         "{{ m.content }}{% endfor %}")
+    assert bytes(reply.prompt_token_ids) == b"<user>hi <|im_end|> there"  # (the user's text: characters)
+
+
 def test_template_variables_reach_the_template():
     tokenizer = build_byte_tokenizer()
     tokenizer.chat_template = CHATML_TEMPLATE + "{% if flavour is defined %}{{ flavour }}{% endif %}"

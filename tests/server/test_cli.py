@@ -7,11 +7,12 @@ import socket
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from hybrid_engine.server.cli import engine_config, parse_args
 from tests.models.conftest import make_hf_checkpoint
-from tests.server.conftest import SERVE_SCRIPT, free_port
+from tests.server.conftest import SERVE_SCRIPT, free_port, start_subprocess_server
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +116,34 @@ def test_speculative_config_flag(capsys):
             parse_args(["--speculative-config", value])
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_chat_template_flag_takes_a_template_or_a_file(tmp_path, capsys):
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert parse_args(["--chat-template", template]).chat_template == template
+    (tmp_path / "t.jinja").write_text(template)
+    assert parse_args(["--chat-template", str(tmp_path / "t.jinja")]).chat_template == template
+    assert parse_args([]).chat_template is None
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--chat-template", str(tmp_path / "missing.jinja")])
+    assert exit_info.value.code == 2 and "--chat-template: [Errno 2]" in capsys.readouterr().err
+
+
+def test_chat_template_that_cannot_render():
+    line = _start_fails("--port", str(free_port()), "--chat-template", "{% for m in messages %}{{ m.content }")
+    assert line.startswith("cannot start: --chat-template: messages: the chat template cannot render these messages")
+
+
+def test_chat_template_serves_chat(tmp_path):
+    """The server renders chat and /tokenize with the flag's template, not the tokenizer's."""
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    messages = [{"role": "user", "content": "hi"}]
+    with start_subprocess_server("--device", "cpu", "--chat-template", str(tmp_path / "t.jinja")) as (url, _):
+        tokens = httpx.post(f"{url}/tokenize", json={"messages": messages}, timeout=60).json()["tokens"]
+        chat = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 1}, timeout=60)
+    assert bytes(tokens) == b"[user] hi\n"
+    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(tokens)
 
 
 def test_served_model_names():
