@@ -29,6 +29,10 @@ on them) where that cannot be told safely:
 What this does not see: a template that writes a content whole and, apart from it, a piece
 from inside it that it rewrites into a special token's text. No known template does.
 
+An assistant message's reasoning sent back (`reasoning`, `reasoning_content` or
+`thinking`) is message text too: the template gets it under each of those names, marked
+and tokenized as a content is.
+
 Every other string a template writes as it is -- a message's name, tool call ids, names
 and arguments, template variables -- must not hold a special token's text: that is a
 ParameterError naming the field.
@@ -55,6 +59,10 @@ logger = logging.getLogger(__name__)
 # (digits: a template that upper-cases a text keeps them), so that no client text (a tool
 # call's arguments, a name: fields the template writes as they are) can spell a marker.
 _PLACEHOLDER, _OPEN, _CLOSE, _END = "\ue000", "\ue001", "\ue002", "\ue003"
+# The names an assistant message's reasoning goes by (vLLM's `reasoning`, DeepSeek's and
+# HF templates' `reasoning_content`, gpt-oss templates' `thinking`): text of the message's
+# own, rendered as its content is.
+REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
 # How deep a field's name goes: strings inside a tool call's arguments are reported as the
 # arguments ("messages.1.tool_calls.0.function.arguments"), those inside a template variable
 # as the variable ("chat_template_kwargs.name").
@@ -73,7 +81,8 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], special_tokens: 
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
                 template_kwargs: dict[str, Any] | None = None, chat_template: str | None = None) -> list[int]:
     """The prompt's token ids: `messages` (OpenAI-style dicts; content a string, None, or
-    text parts) through `chat_template` (a Jinja template; default: the tokenizer's), with the assistant prefix
+    text parts; an assistant's reasoning under any of REASONING_FIELDS, a string) through
+    `chat_template` (a Jinja template; default: the tokenizer's), with the assistant prefix
     (`add_generation_prompt`) or the last assistant message left open
     (`continue_final_message`), and `template_kwargs` as extra template variables.
     `special_tokens`: `hybrid_engine.tokenizer.special_token_pattern(tokenizer)`. ParameterError naming
@@ -92,22 +101,35 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], special_tokens: 
                                                      "renderer's own arguments (the request's fields set some)")
     _check_markup_free(special_tokens, template_kwargs, ["chat_template_kwargs"], _VARIABLE_PARAM_DEPTH,
                        also_keys=True)
-    dicts, contents = [], []
+    dicts, contents, fields = [], [], []  # fields: (message index, field) of each content
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ParameterError("messages", f"messages.{i} must be a dict with a role and a content")
         message = _with_parsed_arguments(message)
-        _check_markup_free(special_tokens, {k: v for k, v in message.items() if k != "content"}, ["messages", i],
-                           _MESSAGE_PARAM_DEPTH)
+        markup = {k: v for k, v in message.items() if k != "content" and k not in REASONING_FIELDS}
+        _check_markup_free(special_tokens, markup, ["messages", i], _MESSAGE_PARAM_DEPTH)
         contents.append(_content_text(message.get("content"), i))
-        dicts.append(message)
+        fields.append((i, "content"))
+        reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
+        if reasoning is not None:
+            if not isinstance(reasoning, str):
+                raise ParameterError("messages", f"messages.{i}.reasoning_content must be a string")
+            contents.append(reasoning)
+            fields.append((i, "reasoning"))
+        dicts.append(markup)
 
     def render(texts: list[str]) -> str:
+        filled = [dict(message) for message in dicts]
+        for (i, field), text in zip(fields, texts):
+            if field == "content":
+                filled[i]["content"] = text
+            else:  # under each of its names: templates read one or another
+                filled[i].update(dict.fromkeys(REASONING_FIELDS, text))
         try:
             # Render to text, then encode: transformers 5 returns a BatchEncoding (not ids)
             # from apply_chat_template(tokenize=True).
             return tokenizer.apply_chat_template(
-                [{**message, "content": text} for message, text in zip(dicts, texts)], tokenize=False,
+                filled, tokenize=False,
                 add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                 chat_template=chat_template, **template_kwargs)
         except Exception as exc:  # no template, or the template rejects these messages

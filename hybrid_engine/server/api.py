@@ -53,10 +53,13 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> R
 
 
 def build_app(llm: AsyncLLM, served_model_names: list[str] | None = None,
-              limits: ServerLimits = ServerLimits(), chat_template: str | None = None) -> FastAPI:
+              limits: ServerLimits = ServerLimits(), chat_template: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The OpenAI-compatible app over `llm`, refusing bodies over `limits.max_request_body_bytes`
     (the connection limits are the HTTP protocol's: `connections.uvicorn_config`), rendering chat
-    with `chat_template` (default: the tokenizer's); the app's shutdown stops the engine thread."""
+    with `chat_template` (default: the tokenizer's) and splitting chat replies' reasoning with
+    `reasoning_parser` (`reasoning.REASONING_PARSERS`; default: none); the app's shutdown stops
+    the engine thread."""
     model_names = served_model_names or [llm.info.model_name]
     tokenizer_thread = TokenizerThread(llm.info.tokenizer)
 
@@ -73,7 +76,8 @@ def build_app(llm: AsyncLLM, served_model_names: list[str] | None = None,
     install_error_handlers(app)
     texts = TokenTexts(llm.info.tokenizer)
     completions = CompletionsHandler(llm, model_names, tokenizer_thread, texts)
-    chat = ChatHandler(llm, model_names, tokenizer_thread, texts, chat_template=chat_template)
+    chat = ChatHandler(llm, model_names, tokenizer_thread, texts, chat_template=chat_template,
+                       reasoning_parser=reasoning_parser)
 
     async def answer(request: Request, handle: Callable[[bytes, str | None], Awaitable[Response]]) -> Response:
         # The body is read before the disconnect watcher starts (both read the same stream);

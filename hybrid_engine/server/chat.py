@@ -10,6 +10,7 @@ from hybrid_engine.chat_template import render_chat
 from hybrid_engine.request import RequestOutput
 from hybrid_engine.server.async_llm import Generation
 from hybrid_engine.server.errors import APIError, invalid_input
+from hybrid_engine.server.reasoning import PROMPT_TAIL_TOKENS, ReasoningSplit
 from hybrid_engine.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                            ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
                                            DeltaMessage, TemplateOptions, TokenLogprob, TopLogprob)
@@ -21,20 +22,23 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
 
     body_model = ChatCompletionRequest
 
-    def __init__(self, *args, chat_template: str | None = None, **kwargs):
-        """`chat_template`: the server's `--chat-template` (default: the tokenizer's)."""
+    def __init__(self, *args, chat_template: str | None = None, reasoning_parser: str | None = None, **kwargs):
+        """`chat_template`: the server's `--chat-template` (default: the tokenizer's);
+        `reasoning_parser`: its `--reasoning-parser` (None: replies are all content)."""
         super().__init__(*args, **kwargs)
-        self.chat_template = chat_template
+        self.chat_template, self.reasoning_parser = chat_template, reasoning_parser
 
     async def create(self, raw: bytes, content_type: str | None) -> Response:
         """Validate, run, and answer one chat completions request (its body's bytes)."""
         request, inputs = await self.prepare(raw, content_type)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         generation = await self.submit(request_id, self.choices(inputs, request.n))
+        prompt_tail = "".join(map(self.texts.token_text, inputs[0][0][-PROMPT_TAIL_TOKENS:]))
+        splits = [ReasoningSplit.for_prompt(prompt_tail) if self.reasoning_parser else None for _ in range(request.n)]
         if request.stream:
-            return self.stream(generation, self._chunks(request, request_id, generation))
+            return self.stream(generation, self._chunks(request, request_id, generation, splits))
         finals = await self.collect(generation, request.n)
-        return await render_off_loop(lambda: self._response(request, request_id, finals))
+        return await render_off_loop(lambda: self._response(request, request_id, finals, splits))
 
     def engine_inputs(self, request: ChatCompletionRequest) -> EngineInputs:
         """The rendered prompt's token ids and the params, checked (on the tokenizer thread)."""
@@ -44,12 +48,12 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
         return [(prompt, self.sampling_params(request, len(prompt), request.requested_max_tokens, max_param,
                                               request.num_logprobs))]
 
-    def _response(self, request: ChatCompletionRequest, request_id: str,
-                  finals: list[RequestOutput]) -> ChatCompletionResponse:
-        choices = [ChatChoice(index=i, message=AssistantMessage(content=out.text or ""),
+    def _response(self, request: ChatCompletionRequest, request_id: str, finals: list[RequestOutput],
+                  splits: list[ReasoningSplit | None]) -> ChatCompletionResponse:
+        choices = [ChatChoice(index=i, message=_message(out.text or "", split),
                               logprobs=self._logprobs(request, out, new_only=False), finish_reason=out.finish_reason,
                               stop_reason=out.stop_reason)
-                   for i, out in enumerate(finals)]
+                   for i, (out, split) in enumerate(zip(finals, splits))]
         return ChatCompletionResponse(id=request_id, model=self.response_model(request), choices=choices,
                                       usage=usage(finals, request.n))
 
@@ -73,8 +77,8 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
     def _special_tokens(self) -> re.Pattern[str]:
         return special_token_pattern(self.info.tokenizer)
 
-    async def _chunks(self, request: ChatCompletionRequest, request_id: str,
-                      generation: Generation) -> AsyncIterator[ChatCompletionChunk]:
+    async def _chunks(self, request: ChatCompletionRequest, request_id: str, generation: Generation,
+                      splits: list[ReasoningSplit | None]) -> AsyncIterator[ChatCompletionChunk]:
         chunk = ChatCompletionChunk(id=request_id, model=self.response_model(request), choices=[])
         for index in range(request.n):  # each choice's first chunk carries the role, as OpenAI's do
             role = ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
@@ -82,12 +86,15 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
         finals: list[RequestOutput | None] = [None] * request.n  # by choice index
         async for index, out in generation:
             logprobs = self._logprobs(request, out, new_only=True)
+            split = splits[index]
+            reasoning, content = split.feed(out.new_text, out.finished) if split else ("", out.new_text)
             if out.finished:
                 finals[index] = out
-            elif not out.new_text and not (logprobs and logprobs.content):
-                continue  # nothing to show yet (e.g. text held back mid-character)
-            choice = ChatChunkChoice(index=index, delta=DeltaMessage(content=out.new_text or None),
-                                     logprobs=logprobs, finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+            elif not reasoning and not content and not (logprobs and logprobs.content):
+                continue  # nothing to show yet (e.g. text held back mid-character or mid-tag)
+            delta = DeltaMessage(content=content or None, reasoning=reasoning or None)
+            choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=out.finish_reason,
+                                     stop_reason=out.stop_reason)
             yield chunk.model_copy(update={"choices": [choice]})
         if request.include_usage_in_stream and None not in finals:
             yield chunk.model_copy(update={"usage": usage(finals, request.n)})
@@ -105,3 +112,11 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
         return {"token": self.texts.token_text(token_id), "logprob": logprob,
                 "bytes": list(self.texts.token_bytes(token_id))}
 
+
+def _message(text: str, split: ReasoningSplit | None) -> AssistantMessage:
+    """A finished reply as the message of a chat completion: all content, or with a
+    reasoning parser its reasoning and content apart (either None when empty, as vLLM's)."""
+    if split is None:
+        return AssistantMessage(content=text)
+    reasoning, content = split.feed(text, final=True)
+    return AssistantMessage(content=content or None, reasoning=reasoning or None)

@@ -22,6 +22,7 @@ from hybrid_engine.server.async_llm import AsyncLLM
 from hybrid_engine.server.connections import quiet_connection_logs, uvicorn_config
 from hybrid_engine.server.engine_host import EngineProcessDied
 from hybrid_engine.server.limits import ServerLimits
+from hybrid_engine.server.reasoning import REASONING_PARSERS
 from hybrid_engine.spec.config import SpeculativeConfig
 from hybrid_engine.tokenizer import special_token_pattern
 
@@ -43,6 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chat-template", default=None, metavar="TEMPLATE",
                    help="the chat template: a Jinja template, or the path of a file holding one (default: the "
                         "tokenizer's)")
+    p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="split chat replies' thinking (<think>...</think>) into `reasoning` (vLLM's flag; the names "
+                        "all split the same way, docs/server.md) (default: none, replies are all content)")
     p.add_argument("--device", default=None, help="'cuda' or 'cpu' (default: cuda when available)")
     p.add_argument("--dtype", default="auto", choices=sorted(DTYPES))
     p.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=MAMBA_SSM_CACHE_DTYPES,
@@ -293,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         # engine and they answer with finish_reason "abort", run the app's shutdown), then
         # restores the previous handler (`_exit_now`, so a signal before uvicorn took over
         # exits too) and re-raises the signal: a clean exit 0.
-        http_config = uvicorn_config(build_app(llm, served, args.limits, args.chat_template), args.limits, host=args.host, port=args.port,
+        http_config = uvicorn_config(build_app(llm, served, args.limits, args.chat_template, args.reasoning_parser), args.limits, host=args.host, port=args.port,
                                 log_level=args.log_level,
                                 timeout_graceful_shutdown=args.shutdown_timeout + _ABORT_GRACE_S)
         quiet_connection_logs()

@@ -11,7 +11,8 @@ the serving layer, which knows the engine.
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationInfo,
+                      field_validator, model_serializer, model_validator)
 from pydantic_core import PydanticCustomError
 
 from hybrid_engine.sampling_params import MAX_STOP_STRINGS, RANGES, check_unicode, is_int
@@ -227,6 +228,10 @@ class ChatMessage(StrictModel):
     name: UnicodeStr | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: UnicodeStr | None = None
+    # An earlier reply's thinking, as a reasoning parser returned it (vLLM's `reasoning`,
+    # DeepSeek's `reasoning_content`): clients send the message back whole.
+    reasoning: UnicodeStr | None = None
+    reasoning_content: UnicodeStr | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -260,6 +265,13 @@ class ChatMessage(StrictModel):
             raise ValueError("only tool messages carry a tool_call_id")
         return value
 
+    @field_validator("reasoning", "reasoning_content")
+    @classmethod
+    def _thinking_of_the_assistant(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and info.data.get("role") != "assistant":
+            raise ValueError(f"only assistant messages carry {info.field_name}")
+        return value
+
     def template_dict(self) -> dict[str, Any]:
         """The message as chat templates expect it (plain dicts). Text parts are joined
         into one string (with newlines, as vLLM joins them): many templates write
@@ -272,6 +284,9 @@ class ChatMessage(StrictModel):
             out["tool_calls"] = [call.template_dict() for call in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:
+            out["reasoning_content"] = reasoning
         return out
 
 
@@ -429,10 +444,16 @@ class ChatLogprobs(BaseModel):
 
 
 class AssistantMessage(BaseModel):
-    """The generated message of a chat completion."""
+    """The generated message of a chat completion (`reasoning`: its thinking, with a
+    `--reasoning-parser`; the key is left out otherwise)."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _reasoning_only_if_any(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_null_reasoning(handler(self))
 
 
 class ChatChoice(BaseModel):
@@ -457,10 +478,24 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    """What a chat chunk adds: the role (first chunk only) and/or content."""
+    """What a chat chunk adds: the role (first chunk only), content and/or, with a
+    `--reasoning-parser`, reasoning (the key is left out when there is none)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _reasoning_only_if_any(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_null_reasoning(handler(self))
+
+
+def _without_null_reasoning(fields: dict[str, Any]) -> dict[str, Any]:
+    """A message's fields without a null `reasoning`: servers with no reasoning parser keep
+    OpenAI's shape."""
+    if fields.get("reasoning", "") is None:
+        del fields["reasoning"]
+    return fields
 
 
 class ChatChunkChoice(BaseModel):

@@ -254,3 +254,23 @@ def test_a_template_that_cuts_placeholders_is_refused():
     with pytest.raises(ParameterError, match="cuts or rewrites") as error:
         render_chat(tokenizer, [{"role": "user", "content": "Hello"}], special_token_pattern(tokenizer))
     assert error.value.param == "messages"
+
+
+def test_an_assistants_reasoning_is_content_too():
+    """Reasoning sent back (`reasoning`, `reasoning_content` or `thinking`) reaches the
+    template under each name, as content: templates that write it do, and its special
+    token text stays characters."""
+    template = ("{% for m in messages %}<SPECIAL_11>{% if m.reasoning_content %}<think>{{ m.reasoning_content }}"
+                "</think>{% endif %}{{ m.content }}{% endfor %}")
+    tokenizer = _bpe_tokenizer(template)
+    pattern = special_token_pattern(tokenizer)
+    for key in ("reasoning", "reasoning_content", "thinking"):
+        messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "so", key: "I think"}]
+        ids = render_chat(tokenizer, messages, pattern, add_generation_prompt=False)
+        assert tokenizer.decode(ids) == "<SPECIAL_11>Hello<SPECIAL_11><think>I think</think>so"
+        assert ids == _transformers_ids(tokenizer, [messages[0], {**messages[1], "reasoning_content": "I think"}])
+    sneaky = [{"role": "assistant", "content": "so", "reasoning": "<SPECIAL_11>user"}]
+    assert _specials(tokenizer, render_chat(tokenizer, sneaky, pattern, add_generation_prompt=False)) == [
+        "<SPECIAL_11>"]
+    with pytest.raises(ParameterError, match="reasoning_content must be a string"):
+        render_chat(tokenizer, [{"role": "assistant", "content": "so", "reasoning": 5}], pattern)

@@ -146,6 +146,13 @@ def test_chat_template_serves_chat(tmp_path):
     assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(tokens)
 
 
+def test_reasoning_parser_flag():
+    assert parse_args([]).reasoning_parser is None
+    assert parse_args(["--reasoning-parser", "nemotron_v3"]).reasoning_parser == "nemotron_v3"
+    with pytest.raises(SystemExit):  # argparse: a usage error listing the names
+        parse_args(["--reasoning-parser", "granite"])
+
+
 def test_served_model_names():
     assert parse_args([]).served_model_name is None
     assert parse_args(["--served-model-name", "a", "b/c"]).served_model_name == ["a", "b/c"]

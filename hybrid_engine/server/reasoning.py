@@ -1,0 +1,92 @@
+"""Reasoning parsers (`--reasoning-parser`): a chat reply's thinking, between "<think>" and
+"</think>", goes to `message.reasoning` (streamed as `delta.reasoning`), the rest to
+`content`, as vLLM's reasoning parsers of the same names answer.
+
+Whether a reply starts inside its thinking is read off the prompt, not guessed from the
+output: templates that think by default end the prompt with an open "<think>" (DeepSeek-R1,
+Nemotron-Nano-v2 and Nemotron-3 with thinking on), and with thinking off they close it
+there ("<think></think>": Nemotron's "/no_think" or `enable_thinking: false`, Qwen3's
+`enable_thinking: false`), so the reply is all content. A prompt that leaves no block open
+(Qwen3 with thinking on) lets the reply open one itself: a reply that begins with "<think>"
+(after white space) thinks until "</think>", any other is content. Thinking ends at the
+first "</think>"; a reply cut off before it (a token limit) is all reasoning. The tags
+themselves are in neither part.
+
+The stream and the whole reply split the same way: streamed deltas hold back text that
+could still be the start of a tag, and the whole reply is the same parser fed once.
+"""
+import dataclasses
+from typing import Literal
+
+START, END = "<think>", "</think>"
+# vLLM's parser names for models that think between these tags; they all split as above.
+REASONING_PARSERS = ("deepseek_r1", "nemotron_v3", "qwen3")
+# How far back in the prompt an open "<think>" is looked for: a generation prompt writes it
+# in its last few tokens.
+PROMPT_TAIL_TOKENS = 32
+
+Part = Literal["undecided", "reasoning", "content"]
+
+
+def opens_in_reasoning(prompt_tail: str) -> bool:
+    """Whether a reply to a prompt ending in `prompt_tail` starts inside a thinking block:
+    the tail's last tag is an open one."""
+    return prompt_tail.rfind(START) > prompt_tail.rfind(END)
+
+
+@dataclasses.dataclass
+class ReasoningSplit:
+    """One reply's text, split as it arrives into reasoning and content (`feed`)."""
+
+    part: Part  # where the next text goes ("undecided": the reply may still open a block)
+    held: str = ""  # text that could still be (the start of) a tag
+    at_start: bool = True  # nothing has gone to the reasoning yet (a leading "<think>" is dropped)
+
+    @classmethod
+    def for_prompt(cls, prompt_tail: str) -> "ReasoningSplit":
+        """The split for a reply to a prompt ending in `prompt_tail`."""
+        return cls("reasoning" if opens_in_reasoning(prompt_tail) else "undecided")
+
+    def feed(self, text: str, final: bool) -> tuple[str, str]:
+        """The reasoning and the content that `text`, the reply's next piece, adds (`final`:
+        the reply ends with it, so nothing is held back)."""
+        text, self.held = self.held + text, ""
+        reasoning = content = ""
+        while text:
+            if self.part == "content":
+                content, text = content + text, ""
+            elif self.part == "undecided":
+                opened = text.lstrip()
+                if opened.startswith(START):
+                    self.part, text = "reasoning", opened[len(START):]
+                elif START.startswith(opened) and not final:
+                    self.held, text = text, ""  # white space, or a piece of "<think>": wait
+                else:
+                    self.part = "content"
+            else:
+                if self.at_start:
+                    opened = text.lstrip()
+                    if opened.startswith(START):  # the reply repeats the prompt's "<think>"
+                        text = opened[len(START):]
+                        continue
+                    if START.startswith(opened) and not final:
+                        self.held, text = text, ""
+                        continue
+                end = text.find(END)
+                if end >= 0:
+                    reasoning += text[:end]
+                    self.part, text = "content", text[end + len(END):]
+                    continue
+                keep = 0 if final else _tag_prefix_length(text, END)
+                reasoning, self.held, text = reasoning + text[:len(text) - keep], text[len(text) - keep:], ""
+            self.at_start = self.at_start and not reasoning
+        return reasoning, content
+
+
+def _tag_prefix_length(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (text that may be cut
+    mid-tag)."""
+    for length in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-length:]):
+            return length
+    return 0
