@@ -2,63 +2,31 @@
 only the template's own markup yields special tokens (`LLM.chat`, and the server's
 /v1/chat/completions and /tokenize).
 
-The template sees the real message contents, so templates that act on them work as in
+The template sees the real message texts, so templates that act on them work as in
 transformers and vLLM: NVIDIA's Nemotron templates turn reasoning off for "/no_think" in
-a system or user message and strip the switch from the text, others trim contents or drop
-old reasoning. The prompt text is transformers' rendering; what differs is where special
-tokens may come from. A user who writes "<|im_end|>" gets those characters, not the
-end-of-turn token (role injection), even where a template's rewrite of the text forms one
-(Nemotron's templates delete "/think", which turns "<SPECIAL_/think11>" into "<SPECIAL_11>").
-
-How the template's markup is told from the contents: a second rendering wraps each content
-in markers ("<open>content<close>", private-use characters around a random nonce). Its text
-outside the markers is the template's own; the real rendering must be that markup with
-each marked content in place (stripped of outer whitespace if the template trims it), and
-only special tokens wholly inside markup are parsed as such. Contents go through the
-template as opaque placeholders instead (tokenized as plain text, so templates do not act
-on them) where that cannot be told safely:
-- a content that holds a special token's text itself (a template could write a piece of
-  it on its own, with no marker around it);
-- a content whose markers the template breaks, unless the part it keeps is a head or a
-  tail of the text: a template that keeps what follows "</think>" (old reasoning dropped)
-  is then given that tail, which must render the same;
-- a content that the marked rendering leaves out (a template that writes only pieces from
-  inside it would write them with no marker);
-- every content, where the marked rendering takes another branch than the real one (a
-  template that tests `content.startswith(...)`).
-What this does not see: a template that writes a content whole and, apart from it, a piece
-from inside it that it rewrites into a special token's text. No known template does.
-
-An assistant message's reasoning sent back (`reasoning`, `reasoning_content` or
-`thinking`) is message text too: the template gets it under each of those names, marked
-and tokenized as a content is.
+a system or user message and strip the switch from the text, others trim texts or drop
+old reasoning. The prompt is transformers' rendering; what differs is where special tokens
+may come from. A user who writes "<|im_end|>" gets those characters, not the end-of-turn
+token (role injection), even where a template's rewrite of the text forms one: how the
+markup is told from the texts, and where a text reaches the template as an opaque
+placeholder instead, is hybrid_engine/chat_markup.py's. A message's texts are its content
+and, for an assistant's reply sent back, its reasoning (`reasoning`, `reasoning_content` or
+`thinking`: the template gets it under each of those names).
 
 Every other string a template writes as it is -- a message's name, tool call ids, names
-and arguments, template variables -- must not hold a special token's text: that is a
-ParameterError naming the field.
+and arguments, template variables -- must not hold a special token's text or one of the
+markers' reserved characters: that is a ParameterError naming the field.
 """
-import dataclasses
-import functools
 import inspect
 import json
-import logging
-import os
 import re
-import secrets
-from collections.abc import Callable
 from typing import Any
 
-from hybrid_engine.prompts import encode_prompt
+from hybrid_engine.chat_markup import RESERVED_CHARACTERS, encode, prompt_pieces
+from hybrid_engine.prompts import check_unicode
 from hybrid_engine.sampling_params import ParameterError
+from hybrid_engine.tokenizer import special_token_starts
 
-logger = logging.getLogger(__name__)
-
-# A content stands in a rendering as "<kind>nonce-n<_END>": kind _OPEN / _CLOSE around its
-# text in the marked rendering, _PLACEHOLDER for the whole text where it must not reach the
-# template. Private-use characters and a random decimal nonce drawn for each conversation
-# (digits: a template that upper-cases a text keeps them), so that no client text (a tool
-# call's arguments, a name: fields the template writes as they are) can spell a marker.
-_PLACEHOLDER, _OPEN, _CLOSE, _END = "\ue000", "\ue001", "\ue002", "\ue003"
 # The names an assistant message's reasoning goes by (vLLM's `reasoning`, DeepSeek's and
 # HF templates' `reasoning_content`, gpt-oss templates' `thinking`): text of the message's
 # own, rendered as its content is.
@@ -67,14 +35,6 @@ REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
 # arguments ("messages.1.tool_calls.0.function.arguments"), those inside a template variable
 # as the variable ("chat_template_kwargs.name").
 _MESSAGE_PARAM_DEPTH, _VARIABLE_PARAM_DEPTH = 6, 2
-
-
-@dataclasses.dataclass(frozen=True)
-class _Piece:
-    """A stretch of the rendered prompt: the template's markup, or (`content`) text that
-    came from a message's content."""
-    text: str
-    content: bool
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], special_tokens: re.Pattern[str], *,
@@ -86,8 +46,9 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], special_tokens: 
     (`add_generation_prompt`) or the last assistant message left open
     (`continue_final_message`), and `template_kwargs` as extra template variables.
     `special_tokens`: `hybrid_engine.tokenizer.special_token_pattern(tokenizer)`. ParameterError naming
-    the field for a special token's text outside the contents, a content that is no text,
-    or messages the template cannot render."""
+    the field for a special token's text or a reserved character outside the texts, a
+    content that is no text, messages the template cannot render, or a template that cuts a
+    placeholder (hybrid_engine/chat_markup.py)."""
     if continue_final_message and add_generation_prompt:
         raise ParameterError("continue_final_message", "continue_final_message needs add_generation_prompt false: "
                                                        "the last message is continued, so no new assistant turn starts")
@@ -136,215 +97,10 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], special_tokens: 
             raise ParameterError("messages", f"messages: the chat template cannot render these messages: "
                                              f"{exc}") from exc
 
-    return _encode(_rendered_pieces(render, contents, special_tokens), tokenizer, special_tokens)
-
-
-def _rendered_pieces(render: Callable[[list[str]], str], contents: list[str],
-                     special_tokens: re.Pattern[str]) -> list[_Piece]:
-    """The real rendering of `contents`, cut into markup and content pieces (module
-    docstring). A content that holds a special token's text reaches the template as a
-    placeholder (a template could write a piece of it apart, with no marker); so does one
-    whose markers the template breaks, unless the part it keeps is the content's head or
-    tail, which then stands in for it; and all of them do if the marked rendering cannot be
-    laid over the real one."""
-    nonce = str(secrets.randbelow(10 ** 18))
-    opaque = {i for i, text in enumerate(contents) if special_tokens.search(text)}
-    for cuts in (True, False):  # (a kept head or tail can change the template's branches: then without)
-        items, opaque = _marked_items(render, contents, opaque, nonce, cuts)
-        pieces = _align(items, render(_stand_ins(contents, opaque, nonce)))
-        if pieces is not None:
-            return _with_placeholders_filled(pieces, contents, nonce)
-    _warn_once("the chat template takes another branch for marked message contents: every content of such a "
-               "conversation reaches it as a placeholder (docs/server.md)")
-    everything = set(range(len(contents)))
-    return _with_placeholders_filled([_Piece(render(_stand_ins(contents, everything, nonce)), False)], contents, nonce)
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_once(message: str) -> None:
-    """Log `message` the first time only: a template's way with contents repeats with every
-    request."""
-    logger.warning(message)
-
-
-def _tag(kind: str, nonce: str, index: int) -> str:
-    """A content's marker or placeholder in a rendering."""
-    return f"{kind}{nonce}-{index}{_END}"
-
-
-def _stand_ins(texts: list[str], opaque: set[int], nonce: str) -> list[str]:
-    """What the template gets for each content: its text, or its placeholder if it is
-    opaque. (An empty content stays empty in every rendering: templates test content for
-    truth.)"""
-    return [_tag(_PLACEHOLDER, nonce, i) if text and i in opaque else text for i, text in enumerate(texts)]
-
-
-def _marked_items(render: Callable[[list[str]], str], contents: list[str], opaque: set[int], nonce: str,
-                  cuts: bool) -> tuple[list[_Piece], set[int]]:
-    """The marked rendering's pieces, once every content's markers pair up, and the contents
-    that had to become opaque for that. With `cuts`, a content of which the template keeps
-    only a head or tail (it cut the marker off the other end) is rendered as that part
-    instead, once."""
-    opaque, texts, cut = set(opaque), list(contents), set()
-    while True:
-        marked = render([_tag(_OPEN, nonce, i) + text + _tag(_CLOSE, nonce, i) if text and i not in opaque else stand_in
-                         for i, (text, stand_in) in enumerate(zip(texts, _stand_ins(texts, opaque, nonce)))])
-        items, broken = _parse_marked(marked, nonce, texts)
-        # A content with no marker in the rendering: either the template leaves it out (then
-        # its placeholder is left out too) or it writes only pieces from inside it.
-        written = set(map(int, re.findall(f"[{_OPEN}{_CLOSE}]{nonce}-([0-9]+){_END}", marked)))
-        missing = {i for i, text in enumerate(texts) if text and i not in opaque and i not in written}
-        if not broken and not missing:
-            return items, opaque
-        opaque |= missing
-        for i, kept in broken.items():
-            if cuts and kept and i not in cut:
-                texts[i] = kept
-                cut.add(i)
-            else:
-                opaque.add(i)
-                _warn_once("the chat template cuts or rewrites a message's content so that its markers break: "
-                           "such a content reaches it as a placeholder (docs/server.md)")
-
-
-def _parse_marked(marked: str, nonce: str, texts: list[str]) -> tuple[list[_Piece], dict[int, str]]:
-    """The marked rendering as markup and content pieces (a content piece: the text between
-    a content's open and close markers), and the contents whose markers do not pair up, each
-    with the head or tail of its text that the rendering seems to keep ("" if none)."""
-    items: list[_Piece] = []
-    broken: dict[int, str] = {}
-    inside, start, at = None, 0, 0
-
-    def lone_open(index: int, end: int) -> None:  # the text after the marker is the content's head
-        broken.setdefault(index, _strict_part(os.path.commonprefix([marked[start:end], texts[index]]), texts[index]))
-
-    for marker in re.finditer(f"([{_OPEN}{_CLOSE}]){nonce}-([0-9]+){_END}", marked):
-        kind, index = marker.group(1), int(marker.group(2))
-        if kind == _CLOSE and inside == index:
-            items.append(_Piece(marked[start:marker.start()], True))
-            inside = None
-        elif kind == _OPEN:
-            if inside is None:
-                items.append(_Piece(marked[at:marker.start()], False))
-            else:
-                lone_open(inside, marker.start())
-            inside, start = index, marker.end()
-        else:  # a close marker alone: the text before it is the content's tail
-            if inside is not None:
-                lone_open(inside, marker.start())
-                inside = None
-            before, text = marked[at:marker.start()][::-1], texts[index][::-1]
-            broken.setdefault(index, _strict_part(os.path.commonprefix([before, text])[::-1], texts[index]))
-        at = marker.end()
-    if inside is not None:
-        lone_open(inside, len(marked))
-    items.append(_Piece(marked[at:], False))
-    return [item for item in items if item.text or item.content], broken
-
-
-def _strict_part(part: str, text: str) -> str:
-    """`part` if it is a non-empty part of `text` shorter than it, else "" (no cut found)."""
-    return part if 0 < len(part) < len(text) else ""
-
-
-def _align(items: list[_Piece], real: str) -> list[_Piece] | None:
-    """`real` cut into the marked rendering's pieces, each content piece as it is or with its
-    outer whitespace stripped on either or both sides (a template that trims contents);
-    None if the markup does not match (the marked rendering took another branch). A depth-
-    first search over the strip choices, each (piece, position) tried once."""
-    choices = [[item.text] if not item.content else list(dict.fromkeys(
-        [item.text, item.text.strip(), item.text.lstrip(), item.text.rstrip()])) for item in items]
-    chosen: list[str] = []
-    starts, tried = [0], [0]
-    dead: set[tuple[int, int]] = set()
-    while starts:
-        i, at = len(chosen), starts[-1]
-        if i == len(items) and at == len(real):
-            return [_Piece(text, item.content) for text, item in zip(chosen, items)]
-        if i < len(items) and tried[-1] < len(choices[i]):
-            text = choices[i][tried[-1]]
-            tried[-1] += 1
-            if real.startswith(text, at) and (i + 1, at + len(text)) not in dead:
-                chosen.append(text)
-                starts.append(at + len(text))
-                tried.append(0)
-            continue
-        dead.add((i, at))
-        starts.pop()
-        tried.pop()
-        if chosen:
-            chosen.pop()
-    return None
-
-
-def _with_placeholders_filled(pieces: list[_Piece], contents: list[str], nonce: str) -> list[_Piece]:
-    """The pieces with each placeholder in the markup replaced by its content's text, as a
-    content piece. ParameterError if a placeholder came out of the template cut or changed:
-    the content's text cannot be put back, and a piece of a placeholder must not reach the
-    model."""
-    filled = []
-    for piece in pieces:
-        if piece.content:
-            filled.append(piece)
-            continue
-        for j, part in enumerate(re.split(f"{_PLACEHOLDER}{nonce}-([0-9]+){_END}", piece.text)):
-            if j % 2:
-                filled.append(_Piece(contents[int(part)], True))
-            elif nonce in part:  # (the markers' characters alone could be a tool name's)
-                raise ParameterError("messages", "messages: the chat template cuts or rewrites a message's content in "
-                                                 "a way that leaves its text and the template's markup apart from "
-                                                 "each other unknown; send the prompt to /v1/completions rendered "
-                                                 "instead")
-            elif part:
-                filled.append(_Piece(part, False))
-    return filled
-
-
-def _encode(pieces: list[_Piece], tokenizer: Any, special_tokens: re.Pattern[str]) -> list[int]:
-    """The token ids of the pieces' text. When no special token's text overlaps a content
-    piece, that is the whole text encoded at once, as transformers encodes a rendered chat;
-    otherwise each special token wholly inside markup is its token and all other text is
-    encoded as plain text (a content's "<|im_end|>" stays characters)."""
-    text = "".join(piece.text for piece in pieces)
-    markup_spans, at = [], 0
-    for piece in pieces:
-        if not piece.content:
-            markup_spans.append((at, at + len(piece.text)))
-        at += len(piece.text)
-    # Every occurrence, overlapping ones included: a tokenizer's other added tokens could
-    # make it split the text elsewhere than one left-to-right scan does.
-    overlapping = re.compile(f"(?=({special_tokens.pattern}))")
-    span = iter(markup_spans)
-    current = next(span, None)
-    in_markup = True
-    for found in overlapping.finditer(text):
-        start, end = found.start(1), found.end(1)
-        while current is not None and current[1] <= start:
-            current = next(span, None)
-        if current is None or not (current[0] <= start and end <= current[1]):
-            in_markup = False
-            break
-    if in_markup:
-        return encode_prompt(text, tokenizer, "messages", add_special_tokens=False)
-    ids: list[int] = []
-    plain = ""  # text waiting to be encoded as plain text, up to the next markup special token
-    for piece in pieces:
-        if piece.content:
-            plain += piece.text
-            continue
-        at = 0
-        for special in special_tokens.finditer(piece.text):
-            plain += piece.text[at:special.start()]
-            ids += _plain_ids(plain, tokenizer) + [tokenizer.convert_tokens_to_ids(special.group())]
-            plain, at = "", special.end()
-        plain += piece.text[at:]
-    return ids + _plain_ids(plain, tokenizer)
-
-
-def _plain_ids(text: str, tokenizer: Any) -> list[int]:
-    """`text` encoded with special-token strings as plain text."""
-    return encode_prompt(text, tokenizer, "messages", add_special_tokens=False, split_special_tokens=True) \
-        if text else []
+    for (i, field), text in zip(fields, contents):
+        check_unicode(text, f"messages.{i}.{field if field == 'content' else 'reasoning_content'}")
+    pieces = prompt_pieces(render, contents, special_tokens, special_token_starts(special_tokens))
+    return encode(pieces, tokenizer, special_tokens)
 
 
 def load_chat_template(value: str) -> str:
@@ -403,7 +159,8 @@ def _content_text(content: Any, index: int) -> str:
 def _check_markup_free(special_tokens: re.Pattern[str], value: Any, path: list, depth: int,
                        also_keys: bool = False) -> None:
     """ParameterError naming the field (the first `depth` parts of a string's path) if a
-    string in `value` (at any depth, dict keys included) holds a special token's text.
+    string in `value` (at any depth, dict keys included) holds a special token's text or a
+    reserved character (`chat_markup.RESERVED_CHARACTERS`).
     Iterative: nesting is as deep as a JSON parser allowed."""
     stack = [(value, path)]
     while stack:
@@ -413,6 +170,11 @@ def _check_markup_free(special_tokens: re.Pattern[str], value: Any, path: list, 
             if found is not None:
                 param = ".".join(map(str, where[:depth]))
                 raise ParameterError(param, f"{param} must not contain the special token {found.group()!r}")
+            reserved = RESERVED_CHARACTERS.search(item)
+            if reserved is not None:
+                param = ".".join(map(str, where[:depth]))
+                raise ParameterError(param, f"{param} must not contain {reserved.group()!r} (U+E000-U+E004 mark "
+                                            "message texts in chat rendering)")
         elif isinstance(item, dict):
             # Keys too, except a message's own field names ("name", "tool_calls").
             stack += [(k, where) for k in item if also_keys or len(where) > 2]

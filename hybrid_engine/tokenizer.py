@@ -12,6 +12,7 @@ Two sources of tokenizers exist:
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -178,6 +179,29 @@ def special_token_pattern(tokenizer: PreTrainedTokenizerBase) -> re.Pattern[str]
     texts = {token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
     texts |= set(tokenizer.all_special_tokens)
     if not texts:
-        return re.compile("(?!)")  # (matches nothing; an empty alternation would match everywhere)
+        return re.compile(_NOTHING)
     return re.compile("|".join(map(re.escape, sorted(texts, key=len, reverse=True))))
+
+
+_NOTHING = "(?!)"  # a pattern that matches nothing (an empty alternation would match everywhere)
+
+
+@functools.lru_cache(maxsize=None)
+def special_token_starts(pattern: re.Pattern[str]) -> str:
+    """The characters that begin the texts a `special_token_pattern` finds (read back from
+    it: an alternation of `re.escape`d texts, whose escapes are a backslash and one
+    character)."""
+    if pattern.pattern == _NOTHING:
+        return ""
+    starts, at_start, escaped = set(), True, False
+    for char in pattern.pattern:
+        if escaped or char not in "\\|":
+            if at_start:
+                starts.add(char)
+            at_start = escaped = False
+        elif char == "\\":
+            escaped = True
+        else:
+            at_start = True
+    return "".join(sorted(starts))
 

@@ -19,6 +19,7 @@ from hybrid_engine.tokenizer import (
     build_byte_tokenizer,
     load_tokenizer,
     special_token_pattern,
+    special_token_starts,
 )
 
 
@@ -135,3 +136,13 @@ def test_special_token_pattern_finds_unnamed_special_tokens():
     assert all(pattern.search(f"x{token}") for token in tokenizer.all_special_tokens)
     assert pattern.search("a <plain> b <|start_header_id| >") is None
 
+
+
+def test_special_token_starts_reads_the_pattern_back():
+    """The first characters of the texts a special_token_pattern finds, escapes included."""
+    import re
+    texts = ["[INST]", "\\x", "|a|", "ab", "<s>", "<|im_end|>"]
+    pattern = re.compile("|".join(map(re.escape, texts)))
+    assert set(special_token_starts(pattern)) == {"[", "\\", "|", "a", "<"}
+    assert special_token_starts(special_token_pattern(build_byte_tokenizer())) == "<"
+    assert special_token_starts(re.compile("(?!)")) == ""

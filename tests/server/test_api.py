@@ -188,23 +188,21 @@ def test_chat_tool_call_history(client: openai.OpenAI):
     assert r.usage.prompt_tokens == len(tokenizer.encode(prompt))
 
 
-def test_chat_placeholder_lookalike_in_a_tool_call_stays_text(client: openai.OpenAI):
-    """Message texts stand in the rendered template as private-use placeholders; a tool call's
-    name (which the template writes as it is) spelling one must stay those characters, not
-    become another message's text: the prompt is exactly the template rendered with it."""
-    lookalike = "\ue0000\ue000"  # what the first message's placeholder was before it got a nonce
-    call = {"id": "c1", "type": "function", "function": {"name": f"wx{lookalike}", "arguments": "{}"}}
+def test_chat_marker_characters_in_markup_fields_are_refused(server: Server):
+    """Message texts are marked in chat rendering with private-use characters
+    (hybrid_engine/chat_markup.py); a field the template writes as it is (here a tool call's
+    name) may not hold one, so that no piece of a marker in the markup is the client's: a
+    400 naming the field. In a message's text they are characters like any other."""
+    call = {"id": "c1", "type": "function", "function": {"name": "wx\ue0000\ue000", "arguments": "{}"}}
     messages = [{"role": "user", "content": "longer than it"},
-                {"role": "assistant", "content": None, "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
-    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0.0)
-    rendered = [messages[0], {"role": "assistant", "content": "",
-                              "tool_calls": [{**call, "function": {"name": f"wx{lookalike}", "arguments": {}}}]},
-                {"role": "tool", "content": "ok", "tool_call_id": "c1"}]
+                {"role": "assistant", "content": None, "tool_calls": [call]}]
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": messages, "max_tokens": 1}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.1.tool_calls.0.function.name", r.text
+    texts = [{"role": "user", "content": "a \ue000\ue0010-0\ue003 b"}]
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": texts, "max_tokens": 1}, timeout=60)
     tokenizer = build_byte_tokenizer()
-    prompt = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
-    assert f'"name": "wx{lookalike}"' in prompt
-    assert r.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(tokenizer.encode(
+        tokenizer.apply_chat_template(texts, tokenize=False, add_generation_prompt=True)))
 
 
 @pytest.mark.parametrize("max_tokens, max_completion_tokens", [(9, 3), (3, 9), (None, 4)])

@@ -204,7 +204,7 @@ def test_unknown_route_and_method(server: Server):
 
 @pytest.mark.parametrize("path, body, param", [
     (COMPLETIONS, {"prompt": "\ud800x", "max_tokens": 2}, "prompt"),
-    (CHAT, {"messages": [{"role": "user", "content": "\ud800x"}], "max_tokens": 2}, "messages"),
+    (CHAT, {"messages": [{"role": "user", "content": "\ud800x"}], "max_tokens": 2}, "messages.0.content"),
     (COMPLETIONS, {"prompt": "a", "stop": ["\ud800"], "max_tokens": 2}, "stop"),
     (COMPLETIONS, {"prompt": "a", "user": "\udfff", "max_tokens": 2}, "user"),
     (CHAT, {"messages": [{"role": "user", "content": "a", "name": "\ud800"}], "max_tokens": 2}, "messages.0.name"),
