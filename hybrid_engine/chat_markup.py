@@ -268,13 +268,13 @@ def _parse_marked(rendering: str, tags: _Tags, texts: list[str]) -> tuple[list[_
 
 
 def _align(marked: list[_Marked], real: str, ends: dict[int, str]) -> list[Piece] | None:
-    """`real` cut into the marked rendering's pieces, each text piece as it is or with its
-    outer white space stripped on either or both sides (a template that trims texts), a kept
-    tail or head also short of up to _CUT_SLACK characters at its cut end; None if the markup
-    does not match (the marked rendering took another branch). A depth-first search over
-    those choices, each (piece, position) tried once."""
-    choices = [[piece.text] if piece.index is None else _variants(piece.text, ends.get(piece.index))
-               for piece in marked]
+    """`real` cut into the marked rendering's pieces, each text piece as it is or short of
+    white space at either end (a template that trims texts, all white space or only
+    newlines), a kept tail or head also short of up to _CUT_SLACK characters at its cut end;
+    None if the markup does not match (the marked rendering took another branch). A depth-
+    first search over those choices, each (piece, position) tried once; a piece's choices
+    are listed when the search first reaches it (most pieces match as they are)."""
+    choices: dict[int, list[str]] = {}
     chosen: list[str] = []
     starts, tried = [0], [0]
     dead: set[tuple[int, int]] = set()
@@ -282,6 +282,9 @@ def _align(marked: list[_Marked], real: str, ends: dict[int, str]) -> list[Piece
         i, at = len(chosen), starts[-1]
         if i == len(marked) and at == len(real):
             return [Piece(text, piece.index is not None) for text, piece in zip(chosen, marked)]
+        if i < len(marked) and i not in choices:
+            piece = marked[i]
+            choices[i] = [piece.text] if piece.index is None else _variants(piece.text, ends.get(piece.index))
         if i < len(marked) and tried[-1] < len(choices[i]):
             text = choices[i][tried[-1]]
             tried[-1] += 1
@@ -299,14 +302,24 @@ def _align(marked: list[_Marked], real: str, ends: dict[int, str]) -> list[Piece
 
 
 def _variants(text: str, end: str | None) -> list[str]:
-    """What a text piece may read as in the real rendering (`_align`)."""
+    """What a text piece may read as in the real rendering (`_align`), as it is first."""
     shortened = [text]
     if end == "tail":
         shortened += [text[k:] for k in range(1, min(len(text), _CUT_SLACK) + 1)]
     elif end == "head":
         shortened += [text[:len(text) - k] for k in range(1, min(len(text), _CUT_SLACK) + 1)]
-    return list(dict.fromkeys(variant for part in shortened
-                              for variant in (part, part.strip(), part.lstrip(), part.rstrip())))
+    variants = []
+    for part in shortened:
+        lead, trail = len(part) - len(part.lstrip()), len(part) - len(part.rstrip())
+        variants += [part[a:len(part) - b] for a in _trim_lengths(lead) for b in _trim_lengths(trail)
+                     if a + b <= len(part)]
+    return list(dict.fromkeys(variants))
+
+
+def _trim_lengths(run: int) -> list[int]:
+    """How much of a run of `run` white-space characters a template may have trimmed: none,
+    some (up to 16: "\n" of "\n  " by `strip('\n')`), or all."""
+    return sorted({*range(min(run, 16) + 1), run})
 
 
 def _markup_specials(marked: list[_Marked], special_tokens: re.Pattern[str]) -> list[str]:

@@ -17,6 +17,7 @@ Every other string a template writes as it is -- a message's name, tool call ids
 and arguments, template variables -- must not hold a special token's text or one of the
 markers' reserved characters: that is a ParameterError naming the field.
 """
+import dataclasses
 import inspect
 import json
 import re
@@ -37,10 +38,26 @@ REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
 _MESSAGE_PARAM_DEPTH, _VARIABLE_PARAM_DEPTH = 6, 2
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]], special_tokens: re.Pattern[str], *,
-                add_generation_prompt: bool = True, continue_final_message: bool = False,
-                template_kwargs: dict[str, Any] | None = None, chat_template: str | None = None) -> list[int]:
-    """The prompt's token ids: `messages` (OpenAI-style dicts; content a string, None, or
+@dataclasses.dataclass(frozen=True)
+class ChatPrompt:
+    """A rendered conversation: its token ids, and the text at its end that the reply
+    continues (the template's generation prompt, e.g. "<|im_start|>assistant\n<think>\n",
+    or a continued final message's text and what follows it; "" if none)."""
+    token_ids: list[int]
+    reply_prefix: str
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], special_tokens: re.Pattern[str],
+                **options: Any) -> list[int]:
+    """The prompt's token ids (`render_chat_prompt`, which takes the same options)."""
+    return render_chat_prompt(tokenizer, messages, special_tokens, **options).token_ids
+
+
+def render_chat_prompt(tokenizer: Any, messages: list[dict[str, Any]], special_tokens: re.Pattern[str], *,
+                       add_generation_prompt: bool = True, continue_final_message: bool = False,
+                       template_kwargs: dict[str, Any] | None = None,
+                       chat_template: str | None = None) -> ChatPrompt:
+    """The prompt: `messages` (OpenAI-style dicts; content a string, None, or
     text parts; an assistant's reasoning under any of REASONING_FIELDS, a string) through
     `chat_template` (a Jinja template; default: the tokenizer's), with the assistant prefix
     (`add_generation_prompt`) or the last assistant message left open
@@ -71,10 +88,8 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], special_tokens: 
         _check_markup_free(special_tokens, markup, ["messages", i], _MESSAGE_PARAM_DEPTH)
         contents.append(_content_text(message.get("content"), i))
         fields.append((i, "content"))
-        reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
+        reasoning = _reasoning_text(message, i)
         if reasoning is not None:
-            if not isinstance(reasoning, str):
-                raise ParameterError("messages", f"messages.{i}.reasoning_content must be a string")
             contents.append(reasoning)
             fields.append((i, "reasoning"))
         dicts.append(markup)
@@ -98,9 +113,13 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], special_tokens: 
                                              f"{exc}") from exc
 
     for (i, field), text in zip(fields, contents):
-        check_unicode(text, f"messages.{i}.{field if field == 'content' else 'reasoning_content'}")
-    pieces = prompt_pieces(render, contents, special_tokens, special_token_starts(special_tokens))
-    return encode(pieces, tokenizer, special_tokens)
+        check_unicode(text, f"messages.{i}.{field}")
+    pieces = prompt_pieces(render, contents, special_tokens, special_token_starts(tokenizer))
+    # What the reply continues: the markup after the last message text (the generation
+    # prompt), or, continuing a final message, that message's text on.
+    last = max((j for j, piece in enumerate(pieces) if piece.from_text), default=-1)
+    start = last if continue_final_message else last + 1
+    return ChatPrompt(encode(pieces, tokenizer, special_tokens), "".join(piece.text for piece in pieces[start:]))
 
 
 def load_chat_template(value: str) -> str:
@@ -141,6 +160,18 @@ def _with_parsed_arguments(message: dict[str, Any]) -> dict[str, Any]:
                 call = {**call, "function": {**function, "arguments": parsed}}
         parsed_calls.append(call)
     return {**message, "tool_calls": parsed_calls}
+
+
+def _reasoning_text(message: dict[str, Any], index: int) -> str | None:
+    """An assistant's reasoning sent back, under any of REASONING_FIELDS (None if none);
+    ParameterError naming the field for one that is no string, or for two that differ."""
+    given = {key: message[key] for key in REASONING_FIELDS if message.get(key) is not None}
+    for key, value in given.items():
+        if not isinstance(value, str):
+            raise ParameterError("messages", f"messages.{index}.{key} must be a string")
+    if len(set(given.values())) > 1:
+        raise ParameterError("messages", f"messages.{index}: {' and '.join(given)} differ; send the reasoning once")
+    return next(iter(given.values()), None)
 
 
 def _content_text(content: Any, index: int) -> str:

@@ -12,7 +12,6 @@ Two sources of tokenizers exist:
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 
@@ -176,32 +175,18 @@ def special_token_pattern(tokenizer: PreTrainedTokenizerBase) -> re.Pattern[str]
     hundreds (Llama 3 reserves 250): with 255, a `t in text` per token took 10.6 s over a
     million one-character strings and a 7 MB one (a tool call's parsed arguments), the
     pattern 0.1 s."""
-    texts = {token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
-    texts |= set(tokenizer.all_special_tokens)
+    texts = _special_token_texts(tokenizer)
     if not texts:
-        return re.compile(_NOTHING)
+        return re.compile("(?!)")  # (matches nothing; an empty alternation would match everywhere)
     return re.compile("|".join(map(re.escape, sorted(texts, key=len, reverse=True))))
 
 
-_NOTHING = "(?!)"  # a pattern that matches nothing (an empty alternation would match everywhere)
+def special_token_starts(tokenizer: PreTrainedTokenizerBase) -> str:
+    """The characters that begin the texts `special_token_pattern` finds."""
+    return "".join(sorted({text[0] for text in _special_token_texts(tokenizer) if text}))
 
 
-@functools.lru_cache(maxsize=None)
-def special_token_starts(pattern: re.Pattern[str]) -> str:
-    """The characters that begin the texts a `special_token_pattern` finds (read back from
-    it: an alternation of `re.escape`d texts, whose escapes are a backslash and one
-    character)."""
-    if pattern.pattern == _NOTHING:
-        return ""
-    starts, at_start, escaped = set(), True, False
-    for char in pattern.pattern:
-        if escaped or char not in "\\|":
-            if at_start:
-                starts.add(char)
-            at_start = escaped = False
-        elif char == "\\":
-            escaped = True
-        else:
-            at_start = True
-    return "".join(sorted(starts))
-
+def _special_token_texts(tokenizer: PreTrainedTokenizerBase) -> set[str]:
+    """The texts of the tokens that only markup may yield (`special_token_pattern`)."""
+    texts = {token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
+    return texts | set(tokenizer.all_special_tokens)

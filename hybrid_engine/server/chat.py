@@ -6,16 +6,17 @@ from typing import AsyncIterator
 
 from starlette.responses import Response
 
-from hybrid_engine.chat_template import render_chat
+from hybrid_engine.chat_template import ChatPrompt, render_chat_prompt
 from hybrid_engine.request import RequestOutput
 from hybrid_engine.server.async_llm import Generation
 from hybrid_engine.server.errors import APIError, invalid_input
-from hybrid_engine.server.reasoning import PROMPT_TAIL_TOKENS, ReasoningSplit
 from hybrid_engine.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                            ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
                                            DeltaMessage, TemplateOptions, TokenLogprob, TopLogprob)
+from hybrid_engine.server.reasoning import ReasoningSplit
 from hybrid_engine.server.serving import EngineInputs, OpenAIServing, logprob_rows, render_off_loop, usage
 from hybrid_engine.tokenizer import special_token_pattern
+
 
 class ChatHandler(OpenAIServing[ChatCompletionRequest]):
     """Serves chat completions (`n` choices), streamed or not, with the chat logprobs format."""
@@ -33,8 +34,8 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
         request, inputs = await self.prepare(raw, content_type)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         generation = await self.submit(request_id, self.choices(inputs, request.n))
-        prompt_tail = "".join(map(self.texts.token_text, inputs[0][0][-PROMPT_TAIL_TOKENS:]))
-        splits = [ReasoningSplit.for_prompt(prompt_tail) if self.reasoning_parser else None for _ in range(request.n)]
+        splits = [ReasoningSplit.for_reply(request._reply_prefix) if self.reasoning_parser else None
+                  for _ in range(request.n)]
         if request.stream:
             return self.stream(generation, self._chunks(request, request_id, generation, splits))
         finals = await self.collect(generation, request.n)
@@ -43,7 +44,9 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
     def engine_inputs(self, request: ChatCompletionRequest) -> EngineInputs:
         """The rendered prompt's token ids and the params, checked (on the tokenizer thread)."""
         self.check_num_prompts(1, request.n)
-        prompt = self.prompt_ids(self.encode_messages(request), "messages")
+        rendered = self.encode_messages(request)
+        request._reply_prefix = rendered.reply_prefix
+        prompt = self.prompt_ids(rendered.token_ids, "messages")
         max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         return [(prompt, self.sampling_params(request, len(prompt), request.requested_max_tokens, max_param,
                                               request.num_logprobs))]
@@ -57,16 +60,16 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
         return ChatCompletionResponse(id=request_id, model=self.response_model(request), choices=choices,
                                       usage=usage(finals, request.n))
 
-    def encode_messages(self, request: TemplateOptions) -> list[int]:
-        """The prompt's token ids: the messages through the chat template with the
-        request's template options (`hybrid_engine.chat_template.render_chat`: only the
-        template's own markup yields special tokens). 400 naming the field otherwise."""
+    def encode_messages(self, request: TemplateOptions) -> ChatPrompt:
+        """The prompt: the messages through the chat template with the request's template
+        options (`hybrid_engine.chat_template.render_chat_prompt`: only the template's own
+        markup yields special tokens). 400 naming the field otherwise."""
         tokenizer = self.tokenizer_thread.tokenizer
         if tokenizer is None:
             raise APIError("this model has no tokenizer (and so no chat template): use /v1/completions with token "
                            "ids", param="messages")
         try:
-            return render_chat(tokenizer, [message.template_dict() for message in request.messages],
+            return render_chat_prompt(tokenizer, [message.template_dict() for message in request.messages],
                                self._special_tokens, add_generation_prompt=request.add_generation_prompt,
                                continue_final_message=request.continue_final_message,
                                template_kwargs=request.chat_template_kwargs, chat_template=self.chat_template)

@@ -297,9 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         # engine and they answer with finish_reason "abort", run the app's shutdown), then
         # restores the previous handler (`_exit_now`, so a signal before uvicorn took over
         # exits too) and re-raises the signal: a clean exit 0.
-        http_config = uvicorn_config(build_app(llm, served, args.limits, args.chat_template, args.reasoning_parser), args.limits, host=args.host, port=args.port,
-                                log_level=args.log_level,
-                                timeout_graceful_shutdown=args.shutdown_timeout + _ABORT_GRACE_S)
+        app = build_app(llm, served, args.limits, args.chat_template, args.reasoning_parser)
+        http_config = uvicorn_config(app, args.limits, host=args.host, port=args.port, log_level=args.log_level,
+                                     timeout_graceful_shutdown=args.shutdown_timeout + _ABORT_GRACE_S)
         quiet_connection_logs()
         server = _DrainingServer(http_config, llm, abort_after=args.shutdown_timeout)
         server.run(sockets=sockets)

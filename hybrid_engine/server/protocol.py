@@ -12,7 +12,7 @@ import time
 from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationInfo,
-                      field_validator, model_serializer, model_validator)
+                      PrivateAttr, field_validator, model_serializer, model_validator)
 from pydantic_core import PydanticCustomError
 
 from hybrid_engine.sampling_params import MAX_STOP_STRINGS, RANGES, check_unicode, is_int
@@ -284,9 +284,9 @@ class ChatMessage(StrictModel):
             out["tool_calls"] = [call.template_dict() for call in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
-        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
-        if reasoning is not None:
-            out["reasoning_content"] = reasoning
+        for key in ("reasoning", "reasoning_content"):  # (`render_chat` takes either, and refuses two that differ)
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
         return out
 
 
@@ -330,6 +330,9 @@ class ChatCompletionRequest(SamplingRequest, TemplateOptions):
 
     messages: list[ChatMessage] = Field(min_length=1)  # (required here)
     max_completion_tokens: int | None = ranged(None, "max_tokens")
+    # Set when the prompt is rendered, not by clients: the text the reply continues
+    # (`ChatPrompt.reply_prefix`), which says whether it starts inside its thinking.
+    _reply_prefix: str = PrivateAttr(default="")
     logprobs: bool = False
     top_logprobs: int | None = ranged(None, "logprobs")
     response_format: ResponseFormat | None = None

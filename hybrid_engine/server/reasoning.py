@@ -2,15 +2,16 @@
 "</think>", goes to `message.reasoning` (streamed as `delta.reasoning`), the rest to
 `content`, as vLLM's reasoning parsers of the same names answer.
 
-Whether a reply starts inside its thinking is read off the prompt, not guessed from the
-output: templates that think by default end the prompt with an open "<think>" (DeepSeek-R1,
+Whether a reply starts inside its thinking is read off the template's generation prompt
+(or a continued final message), not guessed from the output, and never from what users
+wrote: templates that think by default end the prompt with an open "<think>" (DeepSeek-R1,
 Nemotron-Nano-v2 and Nemotron-3 with thinking on), and with thinking off they close it
 there ("<think></think>": Nemotron's "/no_think" or `enable_thinking: false`, Qwen3's
 `enable_thinking: false`), so the reply is all content. A prompt that leaves no block open
 (Qwen3 with thinking on) lets the reply open one itself: a reply that begins with "<think>"
 (after white space) thinks until "</think>", any other is content. Thinking ends at the
-first "</think>"; a reply cut off before it (a token limit) is all reasoning. The tags
-themselves are in neither part.
+first "</think>"; a reply cut off before it (a token limit) is all reasoning. The tags of
+that first block are in neither part (later ones are content).
 
 The stream and the whole reply split the same way: streamed deltas hold back text that
 could still be the start of a tag, and the whole reply is the same parser fed once.
@@ -21,17 +22,15 @@ from typing import Literal
 START, END = "<think>", "</think>"
 # vLLM's parser names for models that think between these tags; they all split as above.
 REASONING_PARSERS = ("deepseek_r1", "nemotron_v3", "qwen3")
-# How far back in the prompt an open "<think>" is looked for: a generation prompt writes it
-# in its last few tokens.
-PROMPT_TAIL_TOKENS = 32
 
 Part = Literal["undecided", "reasoning", "content"]
 
 
-def opens_in_reasoning(prompt_tail: str) -> bool:
-    """Whether a reply to a prompt ending in `prompt_tail` starts inside a thinking block:
-    the tail's last tag is an open one."""
-    return prompt_tail.rfind(START) > prompt_tail.rfind(END)
+def opens_in_reasoning(reply_prefix: str) -> bool:
+    """Whether a reply that continues `reply_prefix` (`ChatPrompt.reply_prefix`: the
+    template's generation prompt, or a continued message) starts inside a thinking block:
+    the prefix's last tag is an open one."""
+    return reply_prefix.rfind(START) > reply_prefix.rfind(END)
 
 
 @dataclasses.dataclass
@@ -43,9 +42,9 @@ class ReasoningSplit:
     at_start: bool = True  # nothing has gone to the reasoning yet (a leading "<think>" is dropped)
 
     @classmethod
-    def for_prompt(cls, prompt_tail: str) -> "ReasoningSplit":
-        """The split for a reply to a prompt ending in `prompt_tail`."""
-        return cls("reasoning" if opens_in_reasoning(prompt_tail) else "undecided")
+    def for_reply(cls, reply_prefix: str) -> "ReasoningSplit":
+        """The split for a reply that continues `reply_prefix` (`opens_in_reasoning`)."""
+        return cls("reasoning" if opens_in_reasoning(reply_prefix) else "undecided")
 
     def feed(self, text: str, final: bool) -> tuple[str, str]:
         """The reasoning and the content that `text`, the reply's next piece, adds (`final`:

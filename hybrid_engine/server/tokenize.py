@@ -76,7 +76,7 @@ class TokenizeHandler:
         self.chat.check_model(request.model)
         tokenizer = self._tokenizer("prompt" if request.prompt is not None else "messages")
         if request.messages is not None:
-            ids = self.chat.encode_messages(request)
+            ids = self.chat.encode_messages(request).token_ids
         else:
             try:
                 ids = encode_prompt(request.prompt, tokenizer, "prompt", request.add_special_tokens)

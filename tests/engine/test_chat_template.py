@@ -8,7 +8,7 @@ import json
 import pytest
 
 from hybrid_engine import LLM
-from hybrid_engine.chat_template import render_chat
+from hybrid_engine.chat_template import render_chat, render_chat_prompt
 from hybrid_engine.models.embedded import EMBEDDED_CONFIG
 from hybrid_engine.sampling_params import ParameterError
 from hybrid_engine.tokenizer import CHATML_TEMPLATE, build_byte_tokenizer, special_token_pattern
@@ -272,8 +272,14 @@ def test_an_assistants_reasoning_is_content_too():
     sneaky = [{"role": "assistant", "content": "so", "reasoning": "<SPECIAL_11>user"}]
     assert _specials(tokenizer, render_chat(tokenizer, sneaky, pattern, add_generation_prompt=False)) == [
         "<SPECIAL_11>"]
-    with pytest.raises(ParameterError, match="reasoning_content must be a string"):
+    with pytest.raises(ParameterError, match="messages.0.reasoning must be a string"):
         render_chat(tokenizer, [{"role": "assistant", "content": "so", "reasoning": 5}], pattern)
+    with pytest.raises(ParameterError, match="messages.0: reasoning_content and reasoning differ"):
+        render_chat(tokenizer, [{"role": "assistant", "content": "so", "reasoning": "a", "reasoning_content": "b"}],
+                    pattern)
+    same = [{"role": "assistant", "content": "so", "reasoning": "I think", "reasoning_content": "I think"}]
+    assert tokenizer.decode(render_chat(tokenizer, same, pattern, add_generation_prompt=False)) == \
+        "<SPECIAL_11><think>I think</think>so"
 
 
 def test_a_tokenizer_that_normalizes_before_matching_special_tokens():
@@ -346,3 +352,27 @@ def test_transformers_refusals_are_the_requests_and_marked_ones_are_not():
     ids = render_chat(tokenizer, whole, special_token_pattern(tokenizer), add_generation_prompt=False,
                       continue_final_message=True)
     assert ids == _transformers_ids(tokenizer, whole, continue_final_message=True)
+
+
+def test_templates_that_trim_only_newlines():
+    """Qwen3's template writes reasoning `strip('\\n')`-ed and content `lstrip('\\n')`-ed:
+    texts with other white space beside their newlines still line up (no placeholders)."""
+    template = ("{% for m in messages %}<SPECIAL_11>{% if m.reasoning_content %}<think>"
+                "{{ m.reasoning_content.strip('\\n') }}</think>{% endif %}{{ m.content.lstrip('\\n') }}{% endfor %}")
+    tokenizer = _bpe_tokenizer(template)
+    messages = [{"role": "assistant", "content": "\n\n    x = 1\n", "reasoning": "\n  - step one\n  - two\n"}]
+    ids = render_chat(tokenizer, messages, special_token_pattern(tokenizer), add_generation_prompt=False)
+    assert ids == _transformers_ids(tokenizer, [{**messages[0], "reasoning_content": messages[0]["reasoning"]}])
+
+
+def test_the_reply_prefix_is_the_templates_not_the_users():
+    """`reply_prefix` (what the reply continues: a reasoning parser reads an open "<think>"
+    off it) is the markup after the last message text, or a continued message's text on:
+    a user's own "<think>" is not in it."""
+    tokenizer = build_byte_tokenizer()
+    pattern = special_token_pattern(tokenizer)
+    asked = [{"role": "user", "content": "what does a <think> tag do?"}]
+    assert render_chat_prompt(tokenizer, asked, pattern).reply_prefix == "<|im_end|>\n<|im_start|>assistant\n"
+    continued = asked + [{"role": "assistant", "content": "<think>\nplan"}]
+    assert render_chat_prompt(tokenizer, continued, pattern, add_generation_prompt=False,
+                              continue_final_message=True).reply_prefix == "<think>\nplan"

@@ -138,11 +138,9 @@ def test_special_token_pattern_finds_unnamed_special_tokens():
 
 
 
-def test_special_token_starts_reads_the_pattern_back():
-    """The first characters of the texts a special_token_pattern finds, escapes included."""
-    import re
-    texts = ["[INST]", "\\x", "|a|", "ab", "<s>", "<|im_end|>"]
-    pattern = re.compile("|".join(map(re.escape, texts)))
-    assert set(special_token_starts(pattern)) == {"[", "\\", "|", "a", "<"}
-    assert special_token_starts(special_token_pattern(build_byte_tokenizer())) == "<"
-    assert special_token_starts(re.compile("(?!)")) == ""
+def test_special_token_starts():
+    """The first characters of the texts special_token_pattern finds."""
+    tokenizer = build_byte_tokenizer()
+    assert special_token_starts(tokenizer) == "<"
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[INST]", "|a|"]})
+    assert set(special_token_starts(tokenizer)) == {"<", "[", "|"}

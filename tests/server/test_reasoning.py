@@ -37,7 +37,7 @@ def test_an_open_think_tag_at_the_prompts_end_opens_the_reply(tail: str, opens: 
     (NONE, "<thin", "", "<thin"),
 ])
 def test_whole_replies(tail: str, reply: str, reasoning: str, content: str):
-    assert ReasoningSplit.for_prompt(tail).feed(reply, final=True) == (reasoning, content)
+    assert ReasoningSplit.for_reply(tail).feed(reply, final=True) == (reasoning, content)
 
 
 @pytest.mark.parametrize("tail", [OPEN, NONE])
@@ -48,9 +48,9 @@ def test_a_stream_splits_as_the_whole_reply(tail: str):
     pieces = ["<think>", "</think>", "<th", "ink>", "</", "think", ">", " ", "\n", "a", "<", "b"]
     for _ in range(400):
         reply = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
-        whole = ReasoningSplit.for_prompt(tail).feed(reply, final=True)
+        whole = ReasoningSplit.for_reply(tail).feed(reply, final=True)
         cuts = sorted(rng.sample(range(len(reply) + 1), min(len(reply) + 1, rng.randint(0, 6))))
-        split, reasoning, content = ReasoningSplit.for_prompt(tail), "", ""
+        split, reasoning, content = ReasoningSplit.for_reply(tail), "", ""
         for start, end in zip([0] + cuts, cuts + [len(reply)]):
             r, c = split.feed(reply[start:end], final=end == len(reply))
             reasoning, content = reasoning + r, content + c
