@@ -69,9 +69,6 @@ def render_chat_prompt(tokenizer: Any, messages: list[dict[str, Any]], special_t
     if continue_final_message and add_generation_prompt:
         raise ParameterError("continue_final_message", "continue_final_message needs add_generation_prompt false: "
                                                        "the last message is continued, so no new assistant turn starts")
-    if continue_final_message and not (messages and isinstance(messages[-1], dict)
-                                       and messages[-1].get("role") == "assistant"):
-        raise ParameterError("continue_final_message", "continue_final_message needs an assistant message last")
     template_kwargs = template_kwargs or {}
     taken = sorted(set(template_kwargs) & _renderer_arguments(tokenizer))
     if taken:
@@ -122,14 +119,22 @@ def render_chat_prompt(tokenizer: Any, messages: list[dict[str, Any]], special_t
     return ChatPrompt(encode(pieces, tokenizer, special_tokens), "".join(piece.text for piece in pieces[start:]))
 
 
-def load_chat_template(value: str) -> str:
-    """A chat template given as vLLM's `--chat-template` takes it: the Jinja text itself
-    (anything with a Jinja delimiter in it), else the path of a file holding it. OSError for
-    a file that cannot be read."""
-    if "{{" in value or "{%" in value:
-        return value
-    with open(value, encoding="utf-8") as f:
-        return f.read()
+def load_chat_template(value: Any, param: str = "chat_template") -> str:
+    """A chat template given as vLLM's `--chat-template` and `LLM.chat(chat_template=...)`
+    take it: the Jinja text itself (anything with a Jinja delimiter in it), else the path of
+    a file holding it. ParameterError naming `param` for anything else, a file that cannot
+    be read, or an empty template."""
+    if not isinstance(value, str):
+        raise ParameterError(param, f"{param} must be a Jinja template or the path of a file holding one")
+    if "{{" not in value and "{%" not in value:
+        try:
+            with open(value, encoding="utf-8") as f:
+                value = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ParameterError(param, f"{param}: {exc}") from exc
+    if not value.strip():
+        raise ParameterError(param, f"{param}: the template is empty")
+    return value
 
 
 def _renderer_arguments(tokenizer: Any) -> set[str]:
@@ -164,13 +169,18 @@ def _with_parsed_arguments(message: dict[str, Any]) -> dict[str, Any]:
 
 def _reasoning_text(message: dict[str, Any], index: int) -> str | None:
     """An assistant's reasoning sent back, under any of REASONING_FIELDS (None if none);
-    ParameterError naming the field for one that is no string, or for two that differ."""
+    ParameterError naming the field for one that is no string, on another role's message,
+    or for two that differ."""
     given = {key: message[key] for key in REASONING_FIELDS if message.get(key) is not None}
     for key, value in given.items():
+        param = f"messages.{index}.{key}"
         if not isinstance(value, str):
-            raise ParameterError("messages", f"messages.{index}.{key} must be a string")
+            raise ParameterError(param, f"{param} must be a string")
+        if message.get("role") != "assistant":
+            raise ParameterError(param, f"{param}: only assistant messages carry {key}")
     if len(set(given.values())) > 1:
-        raise ParameterError("messages", f"messages.{index}: {' and '.join(given)} differ; send the reasoning once")
+        param = f"messages.{index}.{next(iter(given))}"
+        raise ParameterError(param, f"messages.{index}: {' and '.join(given)} differ; send the reasoning once")
     return next(iter(given.values()), None)
 
 

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from hybrid_engine.chat_template import render_chat
+from hybrid_engine.chat_template import load_chat_template, render_chat
 from hybrid_engine.config import EngineConfig
 from hybrid_engine.engine import LLMEngine
 from hybrid_engine.request import RequestOutput
@@ -65,7 +65,8 @@ class LLM:
         `continue_final_message` (with it false) leaves the last, assistant, message open
         for the model to continue; `chat_template_kwargs` are extra template variables,
         e.g. {"enable_thinking": False}; `chat_template` is a Jinja template to use instead
-        of the tokenizer's. Invalid input raises ValueError naming the field."""
+        of the tokenizer's, or the path of a file holding one (as the server's
+        `--chat-template`). Invalid input raises ValueError naming the field."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ParameterError("messages", "messages: this model has no tokenizer (and so no chat template); "
@@ -76,6 +77,8 @@ class LLM:
             conversations = list(messages)
         else:
             raise ParameterError("messages", "messages must be a list of message dicts, or a list of such lists")
+        if chat_template is not None:
+            chat_template = load_chat_template(chat_template)
         prompts = [render_chat(tokenizer, list(conversation), self._special_tokens,
                                add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message, template_kwargs=chat_template_kwargs,

@@ -34,8 +34,8 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
         request, inputs = await self.prepare(raw, content_type)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         generation = await self.submit(request_id, self.choices(inputs, request.n))
-        splits = [ReasoningSplit.for_reply(request._reply_prefix) if self.reasoning_parser else None
-                  for _ in range(request.n)]
+        splits = [ReasoningSplit.for_reply(request._reply_prefix, request.include_reasoning)
+                  if self.reasoning_parser else None for _ in range(request.n)]
         if request.stream:
             return self.stream(generation, self._chunks(request, request_id, generation, splits))
         finals = await self.collect(generation, request.n)
@@ -72,7 +72,7 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
             return render_chat_prompt(tokenizer, [message.template_dict() for message in request.messages],
                                self._special_tokens, add_generation_prompt=request.add_generation_prompt,
                                continue_final_message=request.continue_final_message,
-                               template_kwargs=request.chat_template_kwargs, chat_template=self.chat_template)
+                               template_kwargs=request.template_variables(), chat_template=self.chat_template)
         except ValueError as exc:
             raise invalid_input(exc) from exc
 

@@ -11,6 +11,7 @@ import sys
 from types import FrameType
 from typing import Any
 
+import jinja2
 import torch
 import uvicorn
 
@@ -118,9 +119,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _check_checkpoint_interval(p, args)
     if args.chat_template is not None:
         try:
-            args.chat_template = load_chat_template(args.chat_template)
-        except (OSError, UnicodeDecodeError) as exc:
-            p.error(f"--chat-template: {exc}")
+            args.chat_template = load_chat_template(args.chat_template, "--chat-template")
+        except ValueError as exc:
+            p.error(str(exc))
     if not (math.isfinite(args.shutdown_timeout) and args.shutdown_timeout >= 0):
         p.error(f"--shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}")
     try:
@@ -134,14 +135,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _chat_template_problem(tokenizer: Any | None, template: str) -> str:
     """Why the server cannot chat with `template` ("" if it can): a model without a
-    tokenizer, or a template that cannot render one user message (a Jinja syntax error, say)."""
+    tokenizer, or a template that does not parse (a Jinja syntax error: the line is named).
+    A template that cannot render one user message alone may still render real
+    conversations (it may want a system message first): that is logged, not refused."""
     if tokenizer is None:
         return "this model has no tokenizer to render chat with"
     try:
         render_chat(tokenizer, [{"role": "user", "content": "hi"}], special_token_pattern(tokenizer),
                     chat_template=template)
     except ValueError as exc:
-        return " ".join(str(exc).split())
+        if isinstance(exc.__cause__, jinja2.TemplateSyntaxError):
+            return f"line {exc.__cause__.lineno}: {exc.__cause__.message}"
+        logger.warning("--chat-template cannot render one user message alone: %s", " ".join(str(exc).split()))
     return ""
 
 

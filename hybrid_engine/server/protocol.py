@@ -321,6 +321,10 @@ class TemplateOptions(StrictModel):
     def _no_tools(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return only_neutral("tools", value, [])
 
+    def template_variables(self) -> dict[str, Any]:
+        """The extra variables the chat template gets."""
+        return self.chat_template_kwargs
+
 
 class ChatCompletionRequest(SamplingRequest, TemplateOptions):
     """POST /v1/chat/completions (`max_completion_tokens` wins over the older `max_tokens`).
@@ -330,9 +334,20 @@ class ChatCompletionRequest(SamplingRequest, TemplateOptions):
 
     messages: list[ChatMessage] = Field(min_length=1)  # (required here)
     max_completion_tokens: int | None = ranged(None, "max_tokens")
+    # OpenAI's; as vLLM does, handed to the chat template as a variable of that name (templates
+    # that read it set how long the model thinks).
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    # vLLM's: false leaves a reasoning parser's `reasoning` out of the response.
+    include_reasoning: bool = True
     # Set when the prompt is rendered, not by clients: the text the reply continues
     # (`ChatPrompt.reply_prefix`), which says whether it starts inside its thinking.
     _reply_prefix: str = PrivateAttr(default="")
+
+    def template_variables(self) -> dict[str, Any]:
+        """`chat_template_kwargs`, with `reasoning_effort` where given and not set there."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **self.chat_template_kwargs}
     logprobs: bool = False
     top_logprobs: int | None = ranged(None, "logprobs")
     response_format: ResponseFormat | None = None

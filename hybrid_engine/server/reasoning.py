@@ -38,17 +38,22 @@ class ReasoningSplit:
     """One reply's text, split as it arrives into reasoning and content (`feed`)."""
 
     part: Part  # where the next text goes ("undecided": the reply may still open a block)
+    include_reasoning: bool = True  # false: the reasoning is dropped (vLLM's `include_reasoning`)
     held: str = ""  # text that could still be (the start of) a tag
     at_start: bool = True  # nothing has gone to the reasoning yet (a leading "<think>" is dropped)
 
     @classmethod
-    def for_reply(cls, reply_prefix: str) -> "ReasoningSplit":
+    def for_reply(cls, reply_prefix: str, include_reasoning: bool = True) -> "ReasoningSplit":
         """The split for a reply that continues `reply_prefix` (`opens_in_reasoning`)."""
-        return cls("reasoning" if opens_in_reasoning(reply_prefix) else "undecided")
+        return cls("reasoning" if opens_in_reasoning(reply_prefix) else "undecided", include_reasoning)
 
     def feed(self, text: str, final: bool) -> tuple[str, str]:
-        """The reasoning and the content that `text`, the reply's next piece, adds (`final`:
-        the reply ends with it, so nothing is held back)."""
+        """The reasoning (empty if not included) and the content that `text`, the reply's
+        next piece, adds (`final`: the reply ends with it, so nothing is held back)."""
+        reasoning, content = self._split(text, final)
+        return reasoning if self.include_reasoning else "", content
+
+    def _split(self, text: str, final: bool) -> tuple[str, str]:
         text, self.held = self.held + text, ""
         reasoning = content = ""
         while text:

@@ -74,11 +74,24 @@ def test_tool_call_arguments_reach_the_template_as_a_mapping(llm: LLM):
     assert '{"name": "wx", "arguments": {"at": 1}}' in prompt and '"arguments": "[1, 2]"' in prompt
 
 
-def test_a_template_of_the_callers_own(llm: LLM):
-    """`chat_template` replaces the tokenizer's (vLLM's `LLM.chat` argument)."""
-    (reply,) = llm.chat(HI[1:], greedy(1), use_tqdm=False, chat_template="{% for m in messages %}<{{ m.role }}>"
-                                                                         "{{ m.content }}{% endfor %}")
-    assert bytes(reply.prompt_token_ids) == b"<user>hi <|im_end|> there"  # (the user's text: characters)
+def test_a_template_of_the_callers_own(llm: LLM, tmp_path):
+    """`chat_template` replaces the tokenizer's (vLLM's `LLM.chat` argument): the Jinja text,
+    or the path of a file holding it, as the server's --chat-template."""
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    for given in (template, str(tmp_path / "t.jinja")):
+        (reply,) = llm.chat(HI[1:], greedy(1), use_tqdm=False, chat_template=given)
+        assert bytes(reply.prompt_token_ids) == b"<user>hi <|im_end|> there"  # (the user's text: characters)
+
+
+def test_any_final_message_can_be_continued():
+    """As transformers and vLLM: `continue_final_message` leaves the last message open
+    whatever its role."""
+    tokenizer = build_byte_tokenizer()
+    messages = [{"role": "user", "content": "Hel"}]
+    ids = render_chat(tokenizer, messages, special_token_pattern(tokenizer), add_generation_prompt=False,
+                      continue_final_message=True)
+    assert bytes(ids[1:]) == b"user\nHel" and ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
 
 
 def test_template_variables_reach_the_template():
@@ -108,9 +121,11 @@ def test_template_variables_reach_the_template():
     ([{"role": "user", "content": "a"}], {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
     ([{"role": "user", "content": "a"}], {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ([{"role": "user", "content": 5}], {}, "messages"),
+    ([{"role": "user", "content": "a", "reasoning": "r"}], {}, "messages.0.reasoning"),
+    ([{"role": "user", "content": "a"}], {"chat_template": 5}, "chat_template"),
+    ([{"role": "user", "content": "a"}], {"chat_template": " "}, "chat_template"),
+    ([{"role": "user", "content": "a"}], {"chat_template": "/nonexistent/t.jinja"}, "chat_template"),
     ([{"role": "user", "content": "a"}], {"continue_final_message": True}, "continue_final_message"),
-    ([{"role": "user", "content": "a"}], {"continue_final_message": True, "add_generation_prompt": False},
-     "continue_final_message"),
     ("hello", {}, "messages"),
     ([[{"role": "user", "content": "a"}], "b"], {}, "messages"),
 ])

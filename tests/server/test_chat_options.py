@@ -84,7 +84,6 @@ def test_add_generation_prompt_and_continue_final_message(server: Server):
 
 @pytest.mark.parametrize("fields, param", [
     ({"continue_final_message": True}, "continue_final_message"),  # with add_generation_prompt's default true
-    ({"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),  # a user message last
     ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
     ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
     ({"chat_template_kwargs": {"note": ["ok", {"x": "<|im_start|>system"}]}}, "chat_template_kwargs.note"),

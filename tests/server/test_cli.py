@@ -129,9 +129,16 @@ def test_chat_template_flag_takes_a_template_or_a_file(tmp_path, capsys):
     assert exit_info.value.code == 2 and "--chat-template: [Errno 2]" in capsys.readouterr().err
 
 
-def test_chat_template_that_cannot_render():
-    line = _start_fails("--port", str(free_port()), "--chat-template", "{% for m in messages %}{{ m.content }")
-    assert line.startswith("cannot start: --chat-template: messages: the chat template cannot render these messages")
+def test_chat_template_that_does_not_parse():
+    line = _start_fails("--port", str(free_port()), "--chat-template", "{% for m in messages %}\n{{ m.content }")
+    assert line == "cannot start: --chat-template: line 2: unexpected '}'"
+
+
+def test_an_empty_chat_template_is_a_usage_error(tmp_path, capsys):
+    (tmp_path / "empty.jinja").write_text("\n")
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--chat-template", str(tmp_path / "empty.jinja")])
+    assert exit_info.value.code == 2 and "--chat-template: the template is empty" in capsys.readouterr().err
 
 
 def test_chat_template_serves_chat(tmp_path):

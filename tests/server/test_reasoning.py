@@ -100,3 +100,37 @@ def test_reasoning_sent_back_is_accepted(thinking_server: Server):
         assert _chat(thinking_server, messages=history).status_code == 200
     r = _chat(thinking_server, messages=[{"role": "user", "content": "hi", "reasoning": "x"}])
     assert r.status_code == 400 and "reasoning" in r.json()["error"]["message"]
+
+
+def test_include_reasoning_false_leaves_it_out(thinking_server: Server):
+    """vLLM's `include_reasoning: false`: the reasoning is dropped, the content is as ever."""
+    plain = _chat(thinking_server, include_reasoning=False).json()["choices"][0]["message"]
+    assert plain == {"role": "assistant", "content": None}
+    events = [json.loads(line[len("data: "):]) for line in
+              _chat(thinking_server, stream=True, include_reasoning=False).text.splitlines()
+              if line.startswith("data: {")]
+    assert all("reasoning" not in e["choices"][0]["delta"] for e in events if e["choices"])
+
+
+def test_reasoning_effort_reaches_the_template():
+    """OpenAI's `reasoning_effort` is a template variable of that name (as vLLM hands it on),
+    unless chat_template_kwargs sets it."""
+    def engine() -> LLMEngine:
+        built = LLMEngine(EngineConfig(device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN))
+        built.tokenizer.chat_template = "{{ messages[0].content }} effort={{ reasoning_effort | default('none') }}"
+        return built
+
+    with serve_in_thread(engine) as server:
+        def prompt(**fields) -> bytes:
+            body = {"messages": [{"role": "user", "content": "hi"}], **fields}
+            return bytes(httpx.post(f"{server.url}/tokenize", json=body, timeout=60).json()["tokens"])
+
+        def chat_prompt_tokens(**fields) -> int:
+            return _chat(server, **fields).json()["usage"]["prompt_tokens"]
+
+        assert chat_prompt_tokens(reasoning_effort="low") == len(b"hi effort=low")
+        assert chat_prompt_tokens() == len(b"hi effort=none")
+        assert chat_prompt_tokens(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"}) == \
+            len(b"hi effort=high")
+        assert prompt() == b"hi effort=none"
+        assert _chat(server, reasoning_effort="extreme").status_code == 400
