@@ -137,12 +137,16 @@ def encode(pieces: list[Piece], tokenizer: Any, special_tokens: re.Pattern[str])
     # make it split the text elsewhere than one left-to-right scan does.
     overlapping = re.compile(f"(?=({special_tokens.pattern}))")
     if all(_within(markup_spans, found.start(1), found.end(1)) for found in overlapping.finditer(text)):
-        whole = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        special_ids = set(tokenizer.all_special_ids) | {
-            i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
-        if all(_within(markup_spans, start, end)
-               for token, (start, end) in zip(whole["input_ids"], whole["offset_mapping"]) if token in special_ids):
-            return list(whole["input_ids"])
+        try:
+            whole = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        except NotImplementedError:  # a slow (Python) tokenizer has no offsets: encoded piecewise below
+            whole = None
+        if whole is not None:
+            special_ids = set(tokenizer.all_special_ids) | {
+                i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+            if all(_within(markup_spans, start, end) for token, (start, end)
+                   in zip(whole["input_ids"], whole["offset_mapping"]) if token in special_ids):
+                return list(whole["input_ids"])
     ids: list[int] = []
     plain = ""  # text waiting to be encoded as plain text, up to the next markup special token
     for piece in pieces:
