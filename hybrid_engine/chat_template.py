@@ -35,7 +35,7 @@ REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
 # How deep a field's name goes: strings inside a tool call's arguments are reported as the
 # arguments ("messages.1.tool_calls.0.function.arguments"), those inside a template variable
 # as the variable ("chat_template_kwargs.name").
-_MESSAGE_PARAM_DEPTH, _VARIABLE_PARAM_DEPTH = 6, 2
+_MESSAGE_PARAM_DEPTH, _VARIABLE_PARAM_DEPTH, _TOOL_PARAM_DEPTH = 6, 2, 4  # (tools.0.function.name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,13 +55,14 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], special_tokens: 
 
 def render_chat_prompt(tokenizer: Any, messages: list[dict[str, Any]], special_tokens: re.Pattern[str], *,
                        add_generation_prompt: bool = True, continue_final_message: bool = False,
-                       template_kwargs: dict[str, Any] | None = None,
-                       chat_template: str | None = None) -> ChatPrompt:
+                       template_kwargs: dict[str, Any] | None = None, chat_template: str | None = None,
+                       tools: list[dict[str, Any]] | None = None) -> ChatPrompt:
     """The prompt: `messages` (OpenAI-style dicts; content a string, None, or
     text parts; an assistant's reasoning under any of REASONING_FIELDS, a string) through
     `chat_template` (a Jinja template; default: the tokenizer's), with the assistant prefix
     (`add_generation_prompt`) or the last assistant message left open
-    (`continue_final_message`), and `template_kwargs` as extra template variables.
+    (`continue_final_message`), `template_kwargs` as extra template variables, and `tools`
+    (OpenAI-style tool definitions, which the template writes as markup).
     `special_tokens`: `hybrid_engine.tokenizer.special_token_pattern(tokenizer)`. ParameterError naming
     the field for a special token's text or a reserved character outside the texts, a
     content that is no text, messages the template cannot render, or a template that cuts a
@@ -76,6 +77,7 @@ def render_chat_prompt(tokenizer: Any, messages: list[dict[str, Any]], special_t
                                                      "renderer's own arguments (the request's fields set some)")
     _check_markup_free(special_tokens, template_kwargs, ["chat_template_kwargs"], _VARIABLE_PARAM_DEPTH,
                        also_keys=True)
+    _check_markup_free(special_tokens, tools or [], ["tools"], _TOOL_PARAM_DEPTH, also_keys=True)
     dicts, contents, fields = [], [], []  # fields: (message index, field) of each content
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
@@ -104,7 +106,7 @@ def render_chat_prompt(tokenizer: Any, messages: list[dict[str, Any]], special_t
             return tokenizer.apply_chat_template(
                 filled, tokenize=False,
                 add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                chat_template=chat_template, **template_kwargs)
+                chat_template=chat_template, tools=tools, **template_kwargs)
         except Exception as exc:  # no template, or the template rejects these messages
             raise ParameterError("messages", f"messages: the chat template cannot render these messages: "
                                              f"{exc}") from exc

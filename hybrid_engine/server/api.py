@@ -54,12 +54,13 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> R
 
 def build_app(llm: AsyncLLM, served_model_names: list[str] | None = None,
               limits: ServerLimits = ServerLimits(), chat_template: str | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, tool_call_parser: str | None = None) -> FastAPI:
     """The OpenAI-compatible app over `llm`, refusing bodies over `limits.max_request_body_bytes`
     (the connection limits are the HTTP protocol's: `connections.uvicorn_config`), rendering chat
     with `chat_template` (default: the tokenizer's) and splitting chat replies' reasoning with
-    `reasoning_parser` (`reasoning.REASONING_PARSERS`; default: none); the app's shutdown stops
-    the engine thread."""
+    `reasoning_parser` (`reasoning.REASONING_PARSERS`; default: none), parsing tool calls out
+    of them with `tool_call_parser` (`tool_calls.TOOL_CALL_PARSERS`; default: none, so tools can
+    only be shown); the app's shutdown stops the engine thread."""
     model_names = served_model_names or [llm.info.model_name]
     tokenizer_thread = TokenizerThread(llm.info.tokenizer)
 
@@ -77,7 +78,7 @@ def build_app(llm: AsyncLLM, served_model_names: list[str] | None = None,
     texts = TokenTexts(llm.info.tokenizer)
     completions = CompletionsHandler(llm, model_names, tokenizer_thread, texts)
     chat = ChatHandler(llm, model_names, tokenizer_thread, texts, chat_template=chat_template,
-                       reasoning_parser=reasoning_parser)
+                       reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser)
 
     async def answer(request: Request, handle: Callable[[bytes, str | None], Awaitable[Response]]) -> Response:
         # The body is read before the disconnect watcher starts (both read the same stream);

@@ -1,4 +1,5 @@
 """POST /v1/chat/completions: messages rendered with the tokenizer's chat template."""
+import dataclasses
 import functools
 import re
 import uuid
@@ -12,10 +13,41 @@ from hybrid_engine.server.async_llm import Generation
 from hybrid_engine.server.errors import APIError, invalid_input
 from hybrid_engine.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                            ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
-                                           DeltaMessage, TemplateOptions, TokenLogprob, TopLogprob)
+                                           DeltaMessage, DeltaToolCall, FunctionCall, TemplateOptions, TokenLogprob,
+                                           TopLogprob)
 from hybrid_engine.server.reasoning import ReasoningSplit
+from hybrid_engine.server.tool_calls import TOOL_CALL_PARSERS, ParsedCall, ToolCallSplit
 from hybrid_engine.server.serving import EngineInputs, OpenAIServing, logprob_rows, render_off_loop, usage
 from hybrid_engine.tokenizer import special_token_pattern
+
+
+@dataclasses.dataclass
+class ReplySplit:
+    """One reply's text apart: its reasoning first (a reasoning parser), then the calls out
+    of the rest (a tool-call parser), either optional. `feed` takes the reply's pieces."""
+
+    reasoning: ReasoningSplit | None
+    calls: ToolCallSplit | None
+    calls_streamed: int = 0  # calls out so far (their `index` in the stream)
+
+    @property
+    def parsed(self) -> bool:
+        """Whether any parser splits the reply (an empty content is then null, as vLLM's)."""
+        return self.reasoning is not None or self.calls is not None
+
+    def feed(self, text: str, final: bool) -> tuple[str, str, list[ParsedCall]]:
+        """The reasoning, content and calls that `text`, the reply's next piece, adds."""
+        reasoning, content = self.reasoning.feed(text, final) if self.reasoning else ("", text)
+        calls: list[ParsedCall] = []
+        if self.calls:
+            content, calls = self.calls.feed(content, final)
+        self.calls_streamed += len(calls)
+        return reasoning, content, calls
+
+    def finish_reason(self, finish_reason: str | None) -> str | None:
+        """The choice's finish reason: "tool_calls" for a reply that stopped after calling
+        (as OpenAI and vLLM report it)."""
+        return "tool_calls" if finish_reason == "stop" and self.calls_streamed else finish_reason
 
 
 class ChatHandler(OpenAIServing[ChatCompletionRequest]):
@@ -23,27 +55,40 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
 
     body_model = ChatCompletionRequest
 
-    def __init__(self, *args, chat_template: str | None = None, reasoning_parser: str | None = None, **kwargs):
+    def __init__(self, *args, chat_template: str | None = None, reasoning_parser: str | None = None,
+                 tool_call_parser: str | None = None, **kwargs):
         """`chat_template`: the server's `--chat-template` (default: the tokenizer's);
-        `reasoning_parser`: its `--reasoning-parser` (None: replies are all content)."""
+        `reasoning_parser`: its `--reasoning-parser` (None: replies are all content);
+        `tool_call_parser`: its `--tool-call-parser` with `--enable-auto-tool-choice`
+        (None: `tool_choice` "auto" with tools is refused, as vLLM refuses it)."""
         super().__init__(*args, **kwargs)
         self.chat_template, self.reasoning_parser = chat_template, reasoning_parser
+        self.tool_call_format = TOOL_CALL_PARSERS[tool_call_parser] if tool_call_parser else None
 
     async def create(self, raw: bytes, content_type: str | None) -> Response:
         """Validate, run, and answer one chat completions request (its body's bytes)."""
         request, inputs = await self.prepare(raw, content_type)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         generation = await self.submit(request_id, self.choices(inputs, request.n))
-        splits = [ReasoningSplit.for_reply(request._reply_prefix, request.include_reasoning)
-                  if self.reasoning_parser else None for _ in range(request.n)]
+        splits = [self._split(request) for _ in range(request.n)]
         if request.stream:
             return self.stream(generation, self._chunks(request, request_id, generation, splits))
         finals = await self.collect(generation, request.n)
         return await render_off_loop(lambda: self._response(request, request_id, finals, splits))
 
+    def _split(self, request: ChatCompletionRequest) -> ReplySplit:
+        """How one of the request's replies is split (`ReplySplit`)."""
+        reasoning = ReasoningSplit.for_reply(request._reply_prefix, request.include_reasoning) \
+            if self.reasoning_parser else None
+        calls = ToolCallSplit(self.tool_call_format) if self.tool_call_format and request.calls_tools else None
+        return ReplySplit(reasoning, calls)
+
     def engine_inputs(self, request: ChatCompletionRequest) -> EngineInputs:
         """The rendered prompt's token ids and the params, checked (on the tokenizer thread)."""
         self.check_num_prompts(1, request.n)
+        if request.calls_tools and self.tool_call_format is None:
+            raise APIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
+                           '(send tool_choice "none" to show the tools without calls)', param="tool_choice")
         rendered = self.encode_messages(request)
         request._reply_prefix = rendered.reply_prefix
         prompt = self.prompt_ids(rendered.token_ids, "messages")
@@ -52,11 +97,15 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
                                               request.num_logprobs))]
 
     def _response(self, request: ChatCompletionRequest, request_id: str, finals: list[RequestOutput],
-                  splits: list[ReasoningSplit | None]) -> ChatCompletionResponse:
-        choices = [ChatChoice(index=i, message=_message(out.text or "", split),
-                              logprobs=self._logprobs(request, out, new_only=False), finish_reason=out.finish_reason,
-                              stop_reason=out.stop_reason)
-                   for i, (out, split) in enumerate(zip(finals, splits))]
+                  splits: list[ReplySplit]) -> ChatCompletionResponse:
+        choices = []
+        for i, (out, split) in enumerate(zip(finals, splits)):
+            reasoning, content, calls = split.feed(out.text or "", final=True)
+            message = AssistantMessage(content=(content or None) if split.parsed else content,
+                                       reasoning=reasoning or None, tool_calls=[_call(c) for c in calls] or None)
+            choices.append(ChatChoice(index=i, message=message, logprobs=self._logprobs(request, out, new_only=False),
+                                      finish_reason=split.finish_reason(out.finish_reason),
+                                      stop_reason=out.stop_reason))
         return ChatCompletionResponse(id=request_id, model=self.response_model(request), choices=choices,
                                       usage=usage(finals, request.n))
 
@@ -72,7 +121,8 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
             return render_chat_prompt(tokenizer, [message.template_dict() for message in request.messages],
                                self._special_tokens, add_generation_prompt=request.add_generation_prompt,
                                continue_final_message=request.continue_final_message,
-                               template_kwargs=request.template_variables(), chat_template=self.chat_template)
+                               template_kwargs=request.template_variables(), chat_template=self.chat_template,
+                               tools=request.template_tools())
         except ValueError as exc:
             raise invalid_input(exc) from exc
 
@@ -81,7 +131,7 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
         return special_token_pattern(self.info.tokenizer)
 
     async def _chunks(self, request: ChatCompletionRequest, request_id: str, generation: Generation,
-                      splits: list[ReasoningSplit | None]) -> AsyncIterator[ChatCompletionChunk]:
+                      splits: list[ReplySplit]) -> AsyncIterator[ChatCompletionChunk]:
         chunk = ChatCompletionChunk(id=request_id, model=self.response_model(request), choices=[])
         for index in range(request.n):  # each choice's first chunk carries the role, as OpenAI's do
             role = ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
@@ -90,14 +140,16 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
         async for index, out in generation:
             logprobs = self._logprobs(request, out, new_only=True)
             split = splits[index]
-            reasoning, content = split.feed(out.new_text, out.finished) if split else ("", out.new_text)
+            reasoning, content, calls = split.feed(out.new_text, out.finished)
             if out.finished:
                 finals[index] = out
-            elif not reasoning and not content and not (logprobs and logprobs.content):
+            elif not reasoning and not content and not calls and not (logprobs and logprobs.content):
                 continue  # nothing to show yet (e.g. text held back mid-character or mid-tag)
-            delta = DeltaMessage(content=content or None, reasoning=reasoning or None)
-            choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=out.finish_reason,
-                                     stop_reason=out.stop_reason)
+            delta = DeltaMessage(content=content or None, reasoning=reasoning or None,
+                                 tool_calls=[DeltaToolCall(index=split.calls_streamed - len(calls) + k, **_call(c))
+                                             for k, c in enumerate(calls)] or None)
+            choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
+                                     finish_reason=split.finish_reason(out.finish_reason), stop_reason=out.stop_reason)
             yield chunk.model_copy(update={"choices": [choice]})
         if request.include_usage_in_stream and None not in finals:
             yield chunk.model_copy(update={"usage": usage(finals, request.n)})
@@ -116,10 +168,6 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
                 "bytes": list(self.texts.token_bytes(token_id))}
 
 
-def _message(text: str, split: ReasoningSplit | None) -> AssistantMessage:
-    """A finished reply as the message of a chat completion: all content, or with a
-    reasoning parser its reasoning and content apart (either None when empty, as vLLM's)."""
-    if split is None:
-        return AssistantMessage(content=text)
-    reasoning, content = split.feed(text, final=True)
-    return AssistantMessage(content=content or None, reasoning=reasoning or None)
+def _call(call: ParsedCall) -> dict:
+    """A parsed call's fields for the response models."""
+    return {"id": call.id, "function": FunctionCall(name=call.name, arguments=call.arguments)}

@@ -24,6 +24,7 @@ from hybrid_engine.server.connections import quiet_connection_logs, uvicorn_conf
 from hybrid_engine.server.engine_host import EngineProcessDied
 from hybrid_engine.server.limits import ServerLimits
 from hybrid_engine.server.reasoning import REASONING_PARSERS
+from hybrid_engine.server.tool_calls import TOOL_CALL_PARSERS
 from hybrid_engine.spec.config import SpeculativeConfig
 from hybrid_engine.tokenizer import special_token_pattern
 
@@ -48,6 +49,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="split chat replies' thinking (<think>...</think>) into `reasoning` (vLLM's flag; the names "
                         "all split the same way, docs/server.md) (default: none, replies are all content)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let chat replies call the request's tools (tool_choice 'auto'), parsed out with "
+                        "--tool-call-parser (vLLM's flags)")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
+                   help="how the model writes tool calls: 'hermes' (<tool_call>{...}</tool_call>: Hermes, Qwen, "
+                        "Granite-4.0) or 'nemotron_json' (<TOOLCALL>[...]</TOOLCALL>: Nemotron-Nano-v2)")
     p.add_argument("--device", default=None, help="'cuda' or 'cpu' (default: cuda when available)")
     p.add_argument("--dtype", default="auto", choices=sorted(DTYPES))
     p.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=MAMBA_SSM_CACHE_DTYPES,
@@ -117,6 +124,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.prefix_cache_max_checkpoints is not None and args.prefix_cache_max_checkpoints < 0:
         p.error(f"--prefix-cache-max-checkpoints must be >= 0, got {args.prefix_cache_max_checkpoints}")
     _check_checkpoint_interval(p, args)
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        p.error("--enable-auto-tool-choice and --tool-call-parser go together")
     if args.chat_template is not None:
         try:
             args.chat_template = load_chat_template(args.chat_template, "--chat-template")
@@ -302,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         # engine and they answer with finish_reason "abort", run the app's shutdown), then
         # restores the previous handler (`_exit_now`, so a signal before uvicorn took over
         # exits too) and re-raises the signal: a clean exit 0.
-        app = build_app(llm, served, args.limits, args.chat_template, args.reasoning_parser)
+        app = build_app(llm, served, args.limits, args.chat_template, args.reasoning_parser, args.tool_call_parser)
         http_config = uvicorn_config(app, args.limits, host=args.host, port=args.port, log_level=args.log_level,
                                      timeout_graceful_shutdown=args.shutdown_timeout + _ABORT_GRACE_S)
         quiet_connection_logs()

@@ -219,9 +219,8 @@ class ToolCall(StrictModel):
 class ChatMessage(StrictModel):
     """One input message; content is a string or a list of text parts. Conversation history
     with tools: an assistant message may carry `tool_calls` (its content then usually
-    null), a tool message the `tool_call_id` it answers. The tools' definitions and parsing
-    tool calls out of the output are not supported: a client that prompts for tool use
-    itself can send the history back."""
+    null), a tool message the `tool_call_id` it answers (the request's `tools` define the
+    functions)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] = ""
@@ -301,6 +300,22 @@ class ResponseFormat(StrictModel):
         return only_neutral("response_format.type", value, "text")
 
 
+class FunctionDefinition(StrictModel):
+    """A function the model may call: its name, what it does, its parameters' JSON Schema."""
+
+    name: UnicodeStr
+    description: UnicodeStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(StrictModel):
+    """One of `tools` (OpenAI's: functions only)."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class TemplateOptions(StrictModel):
     """vLLM's chat template options (chat completions and /tokenize): the assistant prefix
     at the end (or, instead, the last assistant message left open for the model to
@@ -312,18 +327,15 @@ class TemplateOptions(StrictModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
-    # Tool definitions for the template are not implemented: only [] passes (clients send it
-    # by default).
-    tools: list[dict[str, Any]] = Field(default_factory=list)
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return only_neutral("tools", value, [])
+    tools: list[ToolDefinition] = Field(default_factory=list)  # (the template writes them, as markup)
 
     def template_variables(self) -> dict[str, Any]:
         """The extra variables the chat template gets."""
         return self.chat_template_kwargs
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tool definitions as chat templates take them (None when there are none)."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] or None
 
 
 class ChatCompletionRequest(SamplingRequest, TemplateOptions):
@@ -339,38 +351,48 @@ class ChatCompletionRequest(SamplingRequest, TemplateOptions):
     reasoning_effort: Literal["low", "medium", "high"] | None = None
     # vLLM's: false leaves a reasoning parser's `reasoning` out of the response.
     include_reasoning: bool = True
-    # Set when the prompt is rendered, not by clients: the text the reply continues
-    # (`ChatPrompt.reply_prefix`), which says whether it starts inside its thinking.
-    _reply_prefix: str = PrivateAttr(default="")
-
-    def template_variables(self) -> dict[str, Any]:
-        """`chat_template_kwargs`, with `reasoning_effort` where given and not set there."""
-        if self.reasoning_effort is None:
-            return self.chat_template_kwargs
-        return {"reasoning_effort": self.reasoning_effort, **self.chat_template_kwargs}
     logprobs: bool = False
     top_logprobs: int | None = ranged(None, "logprobs")
     response_format: ResponseFormat | None = None
     store: bool = False
     metadata: dict[str, str] = Field(default_factory=dict)
-    # Tool calls parsed out of the output are not implemented: only the values that ask for
-    # no tool pass (clients send them by default).
-    tool_choice: Any = "none"
-    parallel_tool_calls: bool = True  # (no tools: nothing to call, in parallel or not)
+    # OpenAI's: with `tools`, "auto" (the default then) lets the model call them (calls are
+    # parsed out of the reply with --enable-auto-tool-choice); "none" only shows them to it.
+    # Forcing a call ("required", or a named function) needs structured outputs: not
+    # implemented. `parallel_tool_calls` is accepted and not enforced (as vLLM's parsers).
+    tool_choice: str | None = None
+    parallel_tool_calls: bool = True
+    # Set when the prompt is rendered, not by clients: the text the reply continues
+    # (`ChatPrompt.reply_prefix`), which says whether it starts inside its thinking.
+    _reply_prefix: str = PrivateAttr(default="")
 
     @field_validator("store")
     @classmethod
     def _nothing_stored(cls, value: bool) -> bool:
         return only_neutral("store", value, False)
 
-    @field_validator("tool_choice")
+    @field_validator("tool_choice", mode="before")
     @classmethod
-    def _no_tool_choice(cls, value: Any) -> Any:
-        # "auto" with no tools asks for nothing either (OpenAI's default once tools are given).
-        if value not in ("none", "auto"):
-            raise PydanticCustomError("not_implemented", f"tool_choice={clipped(repr(value))} is not implemented; "
-                                      "only 'none' or 'auto' (with no tools) is accepted")
-        return value
+    def _no_forced_call(cls, value: Any) -> Any:
+        if value is None or value in ("none", "auto"):
+            return value
+        if value == "required" or isinstance(value, dict) and value.get("type") == "function":
+            raise PydanticCustomError("not_implemented", f"tool_choice={clipped(repr(value))} is not implemented "
+                                      "(a forced call needs structured outputs); use 'auto' or 'none'")
+        raise PydanticCustomError("invalid_value", "tool_choice must be 'none', 'auto', 'required' or "
+                                  "{'type': 'function', 'function': {'name': ...}}")
+
+    def template_variables(self) -> dict[str, Any]:
+        """`chat_template_kwargs`, with `reasoning_effort` where given and not set there."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **self.chat_template_kwargs}
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the reply may call the tools (they are given, and `tool_choice` is
+        "auto", OpenAI's default once tools are given)."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
@@ -461,17 +483,41 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] = Field(default_factory=list)
 
 
+class FunctionCall(BaseModel):
+    """The function a generated tool call calls, with its arguments as a JSON string."""
+
+    name: str
+    arguments: str
+
+
+class AssistantToolCall(BaseModel):
+    """A tool call of a generated message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(AssistantToolCall):
+    """A tool call in a chat chunk: `index` is its place among the choice's calls (each is
+    streamed whole, in one chunk)."""
+
+    index: int
+
+
 class AssistantMessage(BaseModel):
     """The generated message of a chat completion (`reasoning`: its thinking, with a
-    `--reasoning-parser`; the key is left out otherwise)."""
+    `--reasoning-parser`; `tool_calls`, with a `--tool-call-parser`; each key is left out
+    when there is none)."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None
     reasoning: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None
 
     @model_serializer(mode="wrap")
-    def _reasoning_only_if_any(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _without_null_reasoning(handler(self))
+    def _extras_only_if_any(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_null_extras(handler(self))
 
 
 class ChatChoice(BaseModel):
@@ -497,22 +543,25 @@ class ChatCompletionResponse(BaseModel):
 
 class DeltaMessage(BaseModel):
     """What a chat chunk adds: the role (first chunk only), content and/or, with a
-    `--reasoning-parser`, reasoning (the key is left out when there is none)."""
+    reasoning or tool-call parser, reasoning and tool calls (each key left out when there
+    is none)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
-    def _reasoning_only_if_any(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _without_null_reasoning(handler(self))
+    def _extras_only_if_any(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_null_extras(handler(self))
 
 
-def _without_null_reasoning(fields: dict[str, Any]) -> dict[str, Any]:
-    """A message's fields without a null `reasoning`: servers with no reasoning parser keep
-    OpenAI's shape."""
-    if fields.get("reasoning", "") is None:
-        del fields["reasoning"]
+def _without_null_extras(fields: dict[str, Any]) -> dict[str, Any]:
+    """A message's fields without a null `reasoning` or `tool_calls`: servers with no
+    parser keep the shape they always had."""
+    for key in ("reasoning", "tool_calls"):
+        if fields.get(key, "") is None:
+            del fields[key]
     return fields
 
 

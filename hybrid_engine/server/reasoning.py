@@ -19,6 +19,8 @@ could still be the start of a tag, and the whole reply is the same parser fed on
 import dataclasses
 from typing import Literal
 
+from hybrid_engine.server.tags import tag_prefix_length
+
 START, END = "<think>", "</think>"
 # vLLM's parser names for models that think between these tags; they all split as above.
 REASONING_PARSERS = ("deepseek_r1", "nemotron_v3", "qwen3")
@@ -81,16 +83,7 @@ class ReasoningSplit:
                     reasoning += text[:end]
                     self.part, text = "content", text[end + len(END):]
                     continue
-                keep = 0 if final else _tag_prefix_length(text, END)
+                keep = 0 if final else tag_prefix_length(text, END)
                 reasoning, self.held, text = reasoning + text[:len(text) - keep], text[len(text) - keep:], ""
             self.at_start = self.at_start and not reasoning
         return reasoning, content
-
-
-def _tag_prefix_length(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag` (text that may be cut
-    mid-tag)."""
-    for length in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-length:]):
-            return length
-    return 0

@@ -232,7 +232,7 @@ def process_engine(config: EngineConfig, step_delay: float = 0.0, start_delay: f
 @contextlib.contextmanager
 def serve_in_thread(engine_factory: Callable[[], LLMEngine], max_waiting_requests: int = 256,
                     limits: ServerLimits = ServerLimits(), served_model_names: list[str] | None = None,
-                    reasoning_parser: str | None = None) -> Iterator[Server]:
+                    reasoning_parser: str | None = None, tool_call_parser: str | None = None) -> Iterator[Server]:
     """A uvicorn server for `build_app` in a background thread, its engine on a thread of
     this process (`Server.engine` reaches it)."""
     engines: list[LLMEngine] = []
@@ -242,7 +242,7 @@ def serve_in_thread(engine_factory: Callable[[], LLMEngine], max_waiting_request
         return engines[0]
 
     llm = AsyncLLM(build, max_waiting_requests=max_waiting_requests)
-    with _serve(llm, limits, served_model_names, reasoning_parser) as url:
+    with _serve(llm, limits, served_model_names, reasoning_parser, tool_call_parser) as url:
         yield Server(url, llm, engines[0])
 
 
@@ -257,13 +257,14 @@ def serve_engine_process(engine_factory: Callable[[], LLMEngine]) -> Iterator[Se
 
 @contextlib.contextmanager
 def _serve(llm: AsyncLLM, limits: ServerLimits, served_model_names: list[str] | None = None,
-           reasoning_parser: str | None = None) -> Iterator[str]:
+           reasoning_parser: str | None = None, tool_call_parser: str | None = None) -> Iterator[str]:
     """Serve `llm` from a uvicorn thread on a socket bound up front, configured as the CLI
     configures it (`uvicorn_config`); yields the base URL. The engine is shut down after."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    app = build_app(llm, served_model_names, limits=limits, reasoning_parser=reasoning_parser)
+    app = build_app(llm, served_model_names, limits=limits, reasoning_parser=reasoning_parser,
+                    tool_call_parser=tool_call_parser)
     server = uvicorn.Server(uvicorn_config(app, limits, log_level="warning", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -99,7 +99,7 @@ CASES = [
      "messages.0.tool_calls.0.function.arguments", "missing_required_parameter"),
     (CHAT, {"messages": [{"role": "assistant", "tool_calls": [{**TOOL_CALL, "function": {"name": "f", "arguments":
      "[" * 5000}}]}]}, 400, "messages", "context_length_exceeded"),  # too deep for json.loads: kept as text
-    (CHAT, {"messages": USER, "tool_choice": 5}, 400, "tool_choice", "not_implemented"),
+    (CHAT, {"messages": USER, "tool_choice": 5}, 400, "tool_choice", "invalid_value"),
     # text a template writes as markup must not hold special tokens (role injection)
     (CHAT, {"messages": [{"role": "user", "content": "a", "name": "x<|im_end|>"}]}, 400, "messages.0.name",
      "invalid_value"),

@@ -103,12 +103,30 @@ def test_tool_fields_that_ask_for_no_tool_pass(server: Server):
         assert r.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
 
 
-@pytest.mark.parametrize("fields, param", [
-    ({"tools": [{"type": "function", "function": {"name": "wx", "parameters": {}}}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "function": {"name": "wx"}}}, "tool_choice"),
+WX = {"type": "function", "function": {"name": "wx", "description": "the weather", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("fields, param, code", [
+    ({"tools": [WX]}, "tool_choice", None),  # "auto" by default: needs --enable-auto-tool-choice (vLLM's 400)
+    ({"tools": [WX], "tool_choice": "auto"}, "tool_choice", None),
+    ({"tools": [WX], "tool_choice": "required"}, "tool_choice", "not_implemented"),  # forcing needs structured outputs
+    ({"tools": [WX], "tool_choice": {"type": "function", "function": {"name": "wx"}}}, "tool_choice",
+     "not_implemented"),
+    ({"tools": [{"type": "retrieval"}]}, "tools.0.type", None),
+    ({"tools": [{**WX, "function": {"name": "x<|im_end|>"}}], "tool_choice": "none"}, "tools.0.function.name", None),
 ])
-def test_tool_use_is_not_implemented(server: Server, fields: dict, param: str):
+def test_tool_requests_the_server_cannot_answer(server: Server, fields: dict, param: str, code: str | None):
     r = _chat(server, **fields)
-    assert r.status_code == 400, r.text
-    assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (param, "not_implemented")
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert code is None or r.json()["error"]["code"] == code
+
+
+def test_tools_with_tool_choice_none_are_shown_to_the_model(thinking_server: Server):
+    """As vLLM does: the template writes the definitions; nothing is parsed."""
+    r = _chat(thinking_server, tools=[WX], tool_choice="none")
+    assert r.status_code == 200, r.text
+    # (The thinking template writes no tools; tests/server/test_tool_calls.py has one that does.)
+    assert r.json()["usage"]["prompt_tokens"] == _prompt_tokens(USER, THINKING_TEMPLATE, add_generation_prompt=True)
+    tokens = httpx.post(f"{thinking_server.url}/tokenize", json={"messages": USER, "tools": [WX]}, timeout=60).json()
+    assert tokens["count"] == r.json()["usage"]["prompt_tokens"] and "tool_calls" not in r.json()["choices"][0][
+        "message"]

@@ -59,7 +59,7 @@ def test_detokenize_returns_the_text(server: Server):
     ("/tokenize", {"prompt": 5}, "prompt"),
     ("/tokenize", {"prompt": "a", "bogus": 1}, "bogus"),
     ("/tokenize", {"messages": USER, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
-    ("/tokenize", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/tokenize", {"messages": USER, "tools": [{"type": "function"}]}, "tools.0.function"),
     ("/detokenize", {"tokens": [1, 261]}, "tokens"),
     ("/detokenize", {"tokens": [-1]}, "tokens"),
     ("/detokenize", {"tokens": "abc"}, "tokens"),

@@ -1,0 +1,127 @@
+"""Tool-call parsers (`--enable-auto-tool-choice --tool-call-parser NAME`): the calls a chat
+reply writes between tags become `message.tool_calls` (streamed as `delta.tool_calls`), the
+rest stays content, as vLLM's parsers of the same names answer.
+
+- `hermes` (Hermes, Qwen2.5 / Qwen3, Granite-4.0): each call is
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+- `nemotron_json` (Nemotron-Nano-v2): the calls are one JSON list,
+  `<TOOLCALL>[{"name": ..., "arguments": {...}}, ...]</TOOLCALL>`.
+
+`arguments` may be an object (written out with `json.dumps`, as vLLM's parsers do: OpenAI's
+clients read a JSON string) or a string (kept). A block that is not such JSON, or one the reply leaves open (a token limit),
+stays in the content as written. White space next to the calls is not content: a run of
+it goes out only once other content follows it, or at the end of a reply that called
+nothing (so a reply of calls alone has `content` null, as OpenAI's have).
+
+A stream and the whole reply split the same way: the stream holds back a block until its
+close tag, text that could still begin an open tag, and white space (above); the whole
+reply is the same parser fed once. A call is streamed whole, in one delta (id, name and
+arguments), which OpenAI's clients assemble as they do pieces.
+"""
+import dataclasses
+import json
+import uuid
+
+from hybrid_engine.server.tags import tag_prefix_length
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCallFormat:
+    """How a model writes its calls: between `open` and `close`, one call's JSON object per
+    block, or (`listed`) a JSON list of them."""
+    open: str
+    close: str
+    listed: bool
+
+
+TOOL_CALL_PARSERS = {
+    "hermes": ToolCallFormat("<tool_call>", "</tool_call>", listed=False),
+    "nemotron_json": ToolCallFormat("<TOOLCALL>", "</TOOLCALL>", listed=True),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedCall:
+    """One call out of a reply: the function's name and its arguments as a JSON string."""
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclasses.dataclass
+class ToolCallSplit:
+    """One reply's text, split as it arrives into content and calls (`feed`)."""
+
+    format: ToolCallFormat
+    block: str | None = None  # the open block's text so far (None: outside a block)
+    held: str = ""  # outside a block: text that could still begin the open tag
+    white: str = ""  # outside a block: white space that goes out only if content follows
+    called: bool = False  # a call was parsed (trailing white space is then not content)
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[ParsedCall]]:
+        """The content and the calls that `text`, the reply's next piece, adds (`final`:
+        the reply ends with it, so nothing is held back)."""
+        opening, closing = self.format.open, self.format.close
+        text, self.held = self.held + text, ""
+        content, calls = "", []
+        while text:
+            if self.block is None:
+                start = text.find(opening)
+                if start < 0:
+                    keep = 0 if final else tag_prefix_length(text, opening)
+                    content += self._outside(text[:len(text) - keep])
+                    self.held, text = text[len(text) - keep:], ""
+                else:
+                    content += self._outside(text[:start])
+                    self.block, text = "", text[start + len(opening):]
+                continue
+            searched_from = max(0, len(self.block) - len(closing) + 1)  # (a close tag cut between pieces)
+            self.block += text
+            end = self.block.find(closing, searched_from)
+            if end < 0:
+                break
+            block, text = self.block[:end], self.block[end + len(closing):]
+            self.block = None
+            parsed = _calls(block, self.format.listed)
+            if parsed is None:  # no call: the block is content as written
+                content += self._outside(opening + block + closing)
+            else:
+                calls += parsed
+                self.called = self.called or bool(parsed)
+                self.white = ""  # (white space before a call is not content)
+        if final:
+            if self.block is not None:  # left open (a token limit): content as written
+                content += self._outside(opening + self.block)
+                self.block = None
+            if not self.called:
+                content += self.white
+            self.white = ""
+        return content, calls
+
+    def _outside(self, text: str) -> str:
+        """What of `text` (outside any block) goes out now: white space at its end waits
+        for content to follow."""
+        text = self.white + text
+        stripped = text.rstrip()
+        self.white = text[len(stripped):]
+        return stripped
+
+
+def _calls(block: str, listed: bool) -> list[ParsedCall] | None:
+    """The calls a block's text holds (None if it is not calls as the format writes them)."""
+    try:
+        value = json.loads(block)
+    except (ValueError, RecursionError):
+        return None
+    items = value if listed else [value]
+    if not isinstance(items, list):
+        return None
+    calls = []
+    for item in items:
+        if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
+            return None
+        arguments = item.get("arguments", {})
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        calls.append(ParsedCall(f"call_{uuid.uuid4().hex[:24]}", item["name"], arguments))
+    return calls
