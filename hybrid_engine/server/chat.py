@@ -15,6 +15,7 @@ from hybrid_engine.server.protocol import (AssistantMessage, ChatChoice, ChatChu
                                            ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
                                            DeltaMessage, DeltaToolCall, FunctionCall, TemplateOptions, TokenLogprob,
                                            TopLogprob)
+from hybrid_engine.server.reasoning import TAGS as THINK_TAGS
 from hybrid_engine.server.reasoning import ReasoningSplit
 from hybrid_engine.server.tool_calls import TOOL_CALL_PARSERS, ParsedCall, ToolCallSplit
 from hybrid_engine.server.serving import EngineInputs, OpenAIServing, logprob_rows, render_off_loop, usage
@@ -28,10 +29,10 @@ class ReplySplit:
 
     reasoning: ReasoningSplit | None
     calls: ToolCallSplit | None
-    calls_streamed: int = 0  # calls out so far (their `index` in the stream)
+    calls_made: int = 0  # calls out so far (the next one's `index` in a stream)
 
     @property
-    def parsed(self) -> bool:
+    def has_parser(self) -> bool:
         """Whether any parser splits the reply (an empty content is then null, as vLLM's)."""
         return self.reasoning is not None or self.calls is not None
 
@@ -41,13 +42,13 @@ class ReplySplit:
         calls: list[ParsedCall] = []
         if self.calls:
             content, calls = self.calls.feed(content, final)
-        self.calls_streamed += len(calls)
+        self.calls_made += len(calls)
         return reasoning, content, calls
 
     def finish_reason(self, finish_reason: str | None) -> str | None:
         """The choice's finish reason: "tool_calls" for a reply that stopped after calling
         (as OpenAI and vLLM report it)."""
-        return "tool_calls" if finish_reason == "stop" and self.calls_streamed else finish_reason
+        return "tool_calls" if finish_reason == "stop" and self.calls_made else finish_reason
 
 
 class ChatHandler(OpenAIServing[ChatCompletionRequest]):
@@ -93,15 +94,27 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
         request._reply_prefix = rendered.reply_prefix
         prompt = self.prompt_ids(rendered.token_ids, "messages")
         max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-        return [(prompt, self.sampling_params(request, len(prompt), request.requested_max_tokens, max_param,
-                                              request.num_logprobs))]
+        params = self.sampling_params(request, len(prompt), request.requested_max_tokens, max_param,
+                                      request.num_logprobs)
+        if self._parses_special_tags(request):
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        return [(prompt, params)]
+
+    def _parses_special_tags(self, request: ChatCompletionRequest) -> bool:
+        """Whether a parser of this request's reply reads tags that the tokenizer marks
+        special, which must then reach the text: tool calls whenever they are parsed (as
+        vLLM's parsers ask), "<think>" / "</think>" where they are special tokens."""
+        if self.tool_call_format is not None and request.calls_tools:
+            return True
+        return self.reasoning_parser is not None and any(
+            self._special_tokens.fullmatch(tag) for tag in THINK_TAGS)
 
     def _response(self, request: ChatCompletionRequest, request_id: str, finals: list[RequestOutput],
                   splits: list[ReplySplit]) -> ChatCompletionResponse:
         choices = []
         for i, (out, split) in enumerate(zip(finals, splits)):
             reasoning, content, calls = split.feed(out.text or "", final=True)
-            message = AssistantMessage(content=(content or None) if split.parsed else content,
+            message = AssistantMessage(content=(content or None) if split.has_parser else content,
                                        reasoning=reasoning or None, tool_calls=[_call(c) for c in calls] or None)
             choices.append(ChatChoice(index=i, message=message, logprobs=self._logprobs(request, out, new_only=False),
                                       finish_reason=split.finish_reason(out.finish_reason),
@@ -146,7 +159,7 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
             elif not reasoning and not content and not calls and not (logprobs and logprobs.content):
                 continue  # nothing to show yet (e.g. text held back mid-character or mid-tag)
             delta = DeltaMessage(content=content or None, reasoning=reasoning or None,
-                                 tool_calls=[DeltaToolCall(index=split.calls_streamed - len(calls) + k, **_call(c))
+                                 tool_calls=[DeltaToolCall(index=split.calls_made - len(calls) + k, **_call(c))
                                              for k, c in enumerate(calls)] or None)
             choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
                                      finish_reason=split.finish_reason(out.finish_reason), stop_reason=out.stop_reason)

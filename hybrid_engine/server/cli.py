@@ -124,8 +124,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.prefix_cache_max_checkpoints is not None and args.prefix_cache_max_checkpoints < 0:
         p.error(f"--prefix-cache-max-checkpoints must be >= 0, got {args.prefix_cache_max_checkpoints}")
     _check_checkpoint_interval(p, args)
-    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
-        p.error("--enable-auto-tool-choice and --tool-call-parser go together")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        p.error("--enable-auto-tool-choice needs --tool-call-parser (how the model writes its calls)")
     if args.chat_template is not None:
         try:
             args.chat_template = load_chat_template(args.chat_template, "--chat-template")
@@ -311,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         # engine and they answer with finish_reason "abort", run the app's shutdown), then
         # restores the previous handler (`_exit_now`, so a signal before uvicorn took over
         # exits too) and re-raises the signal: a clean exit 0.
-        app = build_app(llm, served, args.limits, args.chat_template, args.reasoning_parser, args.tool_call_parser)
+        app = build_app(llm, served, args.limits, args.chat_template, args.reasoning_parser,
+                        args.tool_call_parser if args.enable_auto_tool_choice else None)
         http_config = uvicorn_config(app, args.limits, host=args.host, port=args.port, log_level=args.log_level,
                                      timeout_graceful_shutdown=args.shutdown_timeout + _ABORT_GRACE_S)
         quiet_connection_logs()

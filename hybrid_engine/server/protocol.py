@@ -360,7 +360,7 @@ class ChatCompletionRequest(SamplingRequest, TemplateOptions):
     # parsed out of the reply with --enable-auto-tool-choice); "none" only shows them to it.
     # Forcing a call ("required", or a named function) needs structured outputs: not
     # implemented. `parallel_tool_calls` is accepted and not enforced (as vLLM's parsers).
-    tool_choice: str | None = None
+    tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     # Set when the prompt is rendered, not by clients: the text the reply continues
     # (`ChatPrompt.reply_prefix`), which says whether it starts inside its thinking.

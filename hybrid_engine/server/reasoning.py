@@ -22,6 +22,7 @@ from typing import Literal
 from hybrid_engine.server.tags import tag_prefix_length
 
 START, END = "<think>", "</think>"
+TAGS = (START, END)
 # vLLM's parser names for models that think between these tags; they all split as above.
 REASONING_PARSERS = ("deepseek_r1", "nemotron_v3", "qwen3")
 

@@ -7,11 +7,14 @@ rest stays content, as vLLM's parsers of the same names answer.
 - `nemotron_json` (Nemotron-Nano-v2): the calls are one JSON list,
   `<TOOLCALL>[{"name": ..., "arguments": {...}}, ...]</TOOLCALL>`.
 
-`arguments` may be an object (written out with `json.dumps`, as vLLM's parsers do: OpenAI's
-clients read a JSON string) or a string (kept). A block that is not such JSON, or one the reply leaves open (a token limit),
-stays in the content as written. White space next to the calls is not content: a run of
-it goes out only once other content follows it, or at the end of a reply that called
-nothing (so a reply of calls alone has `content` null, as OpenAI's have).
+`arguments` must be an object (written out with `json.dumps`, as vLLM's parsers do: OpenAI's
+clients read a JSON string) or a string (kept). As vLLM's parsers: `nemotron_json` also
+takes a single object for its list, and skips the items of a list that are no calls; a
+block the reply leaves open (a token limit, or a stop string at its close tag) is still
+parsed. A block that holds no call stays in the content as written. White space right
+before a call, and at the end of a reply that called something, is not content (so a
+reply of calls alone has `content` null, as OpenAI's have); all other text outside the
+blocks is.
 
 A stream and the whole reply split the same way: the stream holds back a block until its
 close tag, text that could still begin an open tag, and white space (above); the whole
@@ -82,21 +85,26 @@ class ToolCallSplit:
                 break
             block, text = self.block[:end], self.block[end + len(closing):]
             self.block = None
-            parsed = _calls(block, self.format.listed)
-            if parsed is None:  # no call: the block is content as written
-                content += self._outside(opening + block + closing)
-            else:
-                calls += parsed
-                self.called = self.called or bool(parsed)
-                self.white = ""  # (white space before a call is not content)
+            content += self._parsed(block, closing, calls)
         if final:
-            if self.block is not None:  # left open (a token limit): content as written
-                content += self._outside(opening + self.block)
-                self.block = None
+            if self.block is not None:  # left open (a token limit, a stop string): parsed all the same
+                block, self.block = self.block, None
+                content += self._parsed(block, "", calls)
             if not self.called:
                 content += self.white
             self.white = ""
         return content, calls
+
+    def _parsed(self, block: str, closing: str, calls: list[ParsedCall]) -> str:
+        """Adds a block's calls to `calls`; returns the content it adds instead if it holds
+        none (the block as written, its close tag `closing` included)."""
+        parsed = _calls(block, self.format.listed)
+        if not parsed:
+            return self._outside(self.format.open + block + closing)
+        calls += parsed
+        self.called = True
+        self.white = ""  # (white space right before a call is not content)
+        return ""
 
     def _outside(self, text: str) -> str:
         """What of `text` (outside any block) goes out now: white space at its end waits
@@ -107,21 +115,29 @@ class ToolCallSplit:
         return stripped
 
 
-def _calls(block: str, listed: bool) -> list[ParsedCall] | None:
-    """The calls a block's text holds (None if it is not calls as the format writes them)."""
+def _calls(block: str, listed: bool) -> list[ParsedCall]:
+    """The calls a block's text holds, as vLLM's parsers read them (module docstring)."""
     try:
-        value = json.loads(block)
+        value = json.loads(block, parse_constant=_no_constant)
     except (ValueError, RecursionError):
-        return None
-    items = value if listed else [value]
-    if not isinstance(items, list):
-        return None
+        return []
+    items = value if listed and isinstance(value, list) else [value]
     calls = []
     for item in items:
         if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
-            return None
+            continue
         arguments = item.get("arguments", {})
-        if not isinstance(arguments, str):
-            arguments = json.dumps(arguments, ensure_ascii=False)
+        if not isinstance(arguments, (dict, str)):
+            continue
+        if isinstance(arguments, dict):
+            try:
+                arguments = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+            except ValueError:  # an infinite number: no JSON for it
+                continue
         calls.append(ParsedCall(f"call_{uuid.uuid4().hex[:24]}", item["name"], arguments))
     return calls
+
+
+def _no_constant(name: str) -> None:
+    """`json.loads` meets NaN or Infinity, which JSON does not have: no call."""
+    raise ValueError(f"{name} is not JSON")

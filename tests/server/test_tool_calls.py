@@ -32,12 +32,20 @@ def _whole(fmt, reply: str) -> tuple[str, list[tuple[str, str]]]:
     (HERMES, "No tools needed.  \n", "No tools needed.  \n", []),  # (white space stays when nothing is called)
     (HERMES, "<tool_call>{not json}</tool_call> ok", "<tool_call>{not json}</tool_call> ok", []),
     (HERMES, '<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
-    (HERMES, '<tool_call>{"name": "wx"', '<tool_call>{"name": "wx"', []),  # left open by a token limit
+    (HERMES, '<tool_call>{"name": "wx"', '<tool_call>{"name": "wx"', []),  # left open, no call
+    (HERMES, 'ok <tool_call>{"name": "wx"}', "ok", [("wx", "{}")]),  # left open by a stop string at "</tool_call>"
+    (HERMES, '<tool_call>{"name": "wx", "arguments": null}</tool_call>', '<tool_call>{"name": "wx", '
+     '"arguments": null}</tool_call>', []),  # arguments: an object or a string
+    (HERMES, '<tool_call>{"name": "wx", "arguments": {"x": NaN}}</tool_call>', '<tool_call>{"name": "wx", '
+     '"arguments": {"x": NaN}}</tool_call>', []),  # (no NaN in JSON)
+    (HERMES, 'Sure. <tool_call>{"name": "wx"}</tool_call> Done. ', "Sure. Done.", [("wx", "{}")]),
     (HERMES, "see <tool_c", "see <tool_c", []),
     (HERMES, '<tool_call>{"name": "wx"}</tool_call>\nDone.', "\nDone.", [("wx", "{}")]),
     (NEMOTRON, '<TOOLCALL>[{"name": "wx", "arguments": {"c": "日本"}}, {"name": "t"}]</TOOLCALL>', "",
      [("wx", '{"c": "日本"}'), ("t", "{}")]),
-    (NEMOTRON, '<TOOLCALL>{"name": "wx"}</TOOLCALL>', '<TOOLCALL>{"name": "wx"}</TOOLCALL>', []),  # not a list
+    (NEMOTRON, '<TOOLCALL>{"name": "wx"}</TOOLCALL>', "", [("wx", "{}")]),  # an object for the list (as vLLM)
+    (NEMOTRON, '<TOOLCALL>[{"name": "wx"}, 5, {"x": 1}]</TOOLCALL>', "", [("wx", "{}")]),  # items no call: skipped
+    (NEMOTRON, 'Hi \n<TOOLCALL>[]</TOOLCALL>', 'Hi \n<TOOLCALL>[]</TOOLCALL>', []),  # no call: content as written
 ])
 def test_whole_replies(fmt, reply: str, content: str, calls: list):
     assert _whole(fmt, reply) == (content, calls)
@@ -110,3 +118,18 @@ def test_the_server_takes_tools(tools_server: Server):
               if line.startswith("data: {") and json.loads(line[6:])["choices"]]
     assert "".join(d.get("content") or "" for d in deltas) == choice["message"]["content"]
     assert all("tool_calls" not in d for d in deltas)
+
+
+def test_replies_whose_calls_are_parsed_keep_special_tokens(tools_server: Server):
+    """As vLLM's parsers ask (some tokenizers mark the call tags special): the same tokens
+    read as with `skip_special_tokens: false` when calls are parsed."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WX], "max_tokens": 80, "temperature": 1.0,
+            "seed": 3, "ignore_eos": True}
+
+    def content(**fields) -> str:
+        reply = httpx.post(f"{tools_server.url}/v1/chat/completions", json={**body, **fields}, timeout=60).json()
+        return reply["choices"][0]["message"]["content"]
+
+    parsed = content()
+    assert any(special in parsed for special in ("<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"))
+    assert parsed == content(tool_choice="none", skip_special_tokens=False) != content(tool_choice="none")
