@@ -160,6 +160,15 @@ def test_reasoning_parser_flag():
         parse_args(["--reasoning-parser", "granite"])
 
 
+def test_tool_call_flags(capsys):
+    args = parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    assert (args.enable_auto_tool_choice, args.tool_call_parser) == (True, "hermes")
+    assert parse_args(["--tool-call-parser", "nemotron_json"]).enable_auto_tool_choice is False
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--enable-auto-tool-choice"])
+    assert exit_info.value.code == 2 and "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
+
+
 def test_served_model_names():
     assert parse_args([]).served_model_name is None
     assert parse_args(["--served-model-name", "a", "b/c"]).served_model_name == ["a", "b/c"]
