@@ -132,10 +132,10 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
                            "ids", param="messages")
         try:
             return render_chat_prompt(tokenizer, [message.template_dict() for message in request.messages],
-                               self._special_tokens, add_generation_prompt=request.add_generation_prompt,
-                               continue_final_message=request.continue_final_message,
-                               template_kwargs=request.template_variables(), chat_template=self.chat_template,
-                               tools=request.template_tools())
+                                      self._special_tokens, add_generation_prompt=request.add_generation_prompt,
+                                      continue_final_message=request.continue_final_message,
+                                      template_kwargs=request.template_variables(), chat_template=self.chat_template,
+                                      tools=request.template_tools())
         except ValueError as exc:
             raise invalid_input(exc) from exc
 
