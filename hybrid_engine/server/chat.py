@@ -81,7 +81,8 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
         """How one of the request's replies is split (`ReplySplit`)."""
         reasoning = ReasoningSplit.for_reply(request._reply_prefix, request.include_reasoning) \
             if self.reasoning_parser else None
-        calls = ToolCallSplit(self.tool_call_format) if self.tool_call_format and request.calls_tools else None
+        calls = ToolCallSplit(self.tool_call_format, request.template_tools() or []) \
+            if self.tool_call_format and request.calls_tools else None
         return ReplySplit(reasoning, calls)
 
     def engine_inputs(self, request: ChatCompletionRequest) -> EngineInputs:

@@ -54,7 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--tool-call-parser (vLLM's flags)")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
                    help="how the model writes tool calls: 'hermes' (<tool_call>{...}</tool_call>: Hermes, Qwen, "
-                        "Granite-4.0) or 'nemotron_json' (<TOOLCALL>[...]</TOOLCALL>: Nemotron-Nano-v2)")
+                        "Granite-4.0), 'nemotron_json' (<TOOLCALL>[...]</TOOLCALL>: Nemotron-Nano-v2) or "
+                        "'qwen3_coder' (<tool_call><function=...>: Nemotron-3-Nano, Qwen3-Coder)")
     p.add_argument("--device", default=None, help="'cuda' or 'cpu' (default: cuda when available)")
     p.add_argument("--dtype", default="auto", choices=sorted(DTYPES))
     p.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=MAMBA_SSM_CACHE_DTYPES,

@@ -6,9 +6,13 @@ rest stays content, as vLLM's parsers of the same names answer.
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
 - `nemotron_json` (Nemotron-Nano-v2): the calls are one JSON list,
   `<TOOLCALL>[{"name": ..., "arguments": {...}}, ...]</TOOLCALL>`.
+- `qwen3_coder` (Nemotron-3-Nano, Qwen3-Coder): each call is
+  `<tool_call><function=NAME><parameter=KEY>value</parameter>...</function></tool_call>`, a
+  value's text read as its parameter's JSON Schema type in the request's tools says
+  (`_typed`).
 
-`arguments` must be an object (written out with `json.dumps`, as vLLM's parsers do: OpenAI's
-clients read a JSON string) or a string (kept). As vLLM's parsers: `nemotron_json` also
+In JSON, `arguments` must be an object (written out with `json.dumps`, as vLLM's parsers do:
+OpenAI's clients read a JSON string) or a string (kept). As vLLM's parsers: `nemotron_json` also
 takes a single object for its list, and skips the items of a list that are no calls; a
 block the reply leaves open (a token limit, or a stop string at its close tag) is still
 parsed. A block that holds no call stays in the content as written. White space right
@@ -23,24 +27,29 @@ arguments), which OpenAI's clients assemble as they do pieces.
 """
 import dataclasses
 import json
+import re
 import uuid
+from typing import Any, Literal
 
 from hybrid_engine.server.tags import tag_prefix_length
 
 
 @dataclasses.dataclass(frozen=True)
 class ToolCallFormat:
-    """How a model writes its calls: between `open` and `close`, one call's JSON object per
-    block, or (`listed`) a JSON list of them."""
+    """How a model writes its calls: between `open` and `close`, a `body` of one call's JSON
+    object ("object"), a JSON list of calls ("list"), or qwen3_coder's XML ("xml")."""
     open: str
     close: str
-    listed: bool
+    body: Literal["object", "list", "xml"]
 
 
 TOOL_CALL_PARSERS = {
-    "hermes": ToolCallFormat("<tool_call>", "</tool_call>", listed=False),
-    "nemotron_json": ToolCallFormat("<TOOLCALL>", "</TOOLCALL>", listed=True),
+    "hermes": ToolCallFormat("<tool_call>", "</tool_call>", "object"),
+    "nemotron_json": ToolCallFormat("<TOOLCALL>", "</TOOLCALL>", "list"),
+    "qwen3_coder": ToolCallFormat("<tool_call>", "</tool_call>", "xml"),
 }
+_XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +65,7 @@ class ToolCallSplit:
     """One reply's text, split as it arrives into content and calls (`feed`)."""
 
     format: ToolCallFormat
+    tools: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # the request's (qwen3_coder's types)
     block: str | None = None  # the open block's text so far (None: outside a block)
     held: str = ""  # outside a block: text that could still begin the open tag
     white: str = ""  # outside a block: white space that goes out only if content follows
@@ -98,7 +108,7 @@ class ToolCallSplit:
     def _parsed(self, block: str, closing: str, calls: list[ParsedCall]) -> str:
         """Adds a block's calls to `calls`; returns the content it adds instead if it holds
         none (the block as written, its close tag `closing` included)."""
-        parsed = _calls(block, self.format.listed)
+        parsed = _xml_calls(block, self.tools) if self.format.body == "xml" else _calls(block, self.format.body)
         if not parsed:
             return self._outside(self.format.open + block + closing)
         calls += parsed
@@ -115,13 +125,13 @@ class ToolCallSplit:
         return stripped
 
 
-def _calls(block: str, listed: bool) -> list[ParsedCall]:
-    """The calls a block's text holds, as vLLM's parsers read them (module docstring)."""
+def _calls(block: str, body: str) -> list[ParsedCall]:
+    """The calls a JSON block's text holds, as vLLM's parsers read them (module docstring)."""
     try:
         value = json.loads(block, parse_constant=_no_constant)
     except (ValueError, RecursionError):
         return []
-    items = value if listed and isinstance(value, list) else [value]
+    items = value if body == "list" and isinstance(value, list) else [value]
     calls = []
     for item in items:
         if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
@@ -141,3 +151,48 @@ def _calls(block: str, listed: bool) -> list[ParsedCall]:
 def _no_constant(name: str) -> None:
     """`json.loads` meets NaN or Infinity, which JSON does not have: no call."""
     raise ValueError(f"{name} is not JSON")
+
+
+def _xml_calls(block: str, tools: list[dict[str, Any]]) -> list[ParsedCall]:
+    """qwen3_coder's calls: `<function=NAME>` holding `<parameter=KEY>value</parameter>`s, each
+    value read as its parameter's JSON Schema type says (`_typed`)."""
+    calls = []
+    for function in _XML_FUNCTION.finditer(block):
+        name = function.group(1).strip()
+        schema = next((tool.get("function", {}).get("parameters") or {} for tool in tools
+                       if tool.get("function", {}).get("name") == name), {})
+        properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        arguments = {}
+        for parameter in _XML_PARAMETER.finditer(function.group(2)):
+            key, value = parameter.group(1).strip(), parameter.group(2)
+            value = value[1:] if value.startswith("\n") else value
+            value = value[:-1] if value.endswith("\n") else value
+            arguments[key] = _typed(value, properties.get(key))
+        try:
+            text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        except ValueError:
+            continue
+        calls.append(ParsedCall(f"call_{uuid.uuid4().hex[:24]}", name, text))
+    return calls
+
+
+def _typed(value: str, schema: Any) -> Any:
+    """A qwen3_coder parameter's text as its schema's type: integer, number, boolean, object
+    or array parsed ("null" is null), anything else (a string, an unknown parameter, text
+    that does not parse as its type) kept as text, as vLLM's parser reads them."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if value.strip().lower() == "null" and kind != "string":
+        return None
+    try:
+        if kind == "integer":
+            return int(value.strip())
+        if kind == "number":
+            number = float(value.strip())
+            return int(number) if number.is_integer() and "." not in value and "e" not in value.lower() else number
+        if kind == "boolean" and value.strip().lower() in ("true", "false"):
+            return value.strip().lower() == "true"
+        if kind in ("object", "array"):
+            return json.loads(value, parse_constant=_no_constant)
+    except ValueError:
+        pass
+    return value

@@ -15,7 +15,7 @@ from hybrid_engine.server.reasoning import ReasoningSplit
 from hybrid_engine.server.tool_calls import TOOL_CALL_PARSERS, ToolCallSplit
 from tests.server.conftest import MAX_MODEL_LEN, Server, serve_in_thread
 
-HERMES, NEMOTRON = TOOL_CALL_PARSERS["hermes"], TOOL_CALL_PARSERS["nemotron_json"]
+HERMES, NEMOTRON, QWEN3_CODER = (TOOL_CALL_PARSERS[name] for name in ("hermes", "nemotron_json", "qwen3_coder"))
 WX = {"type": "function", "function": {"name": "wx", "parameters": {"type": "object"}}}
 
 
@@ -51,17 +51,42 @@ def test_whole_replies(fmt, reply: str, content: str, calls: list):
     assert _whole(fmt, reply) == (content, calls)
 
 
+SCHEMA = {"type": "function", "function": {"name": "run", "parameters": {"type": "object", "properties": {
+    "cmd": {"type": "string"}, "n": {"type": "integer"}, "x": {"type": "number"}, "ok": {"type": "boolean"},
+    "opts": {"type": "object"}, "ids": {"type": "array"}}}}}
+
+
+@pytest.mark.parametrize("reply, content, arguments", [
+    ("<tool_call>\n<function=run>\n<parameter=cmd>\nls -la\n</parameter>\n<parameter=n>\n3\n</parameter>\n"
+     "</function>\n</tool_call>", "", {"cmd": "ls -la", "n": 3}),
+    ("Let me.\n<tool_call><function=run><parameter=x>2.5</parameter><parameter=ok>True</parameter>"
+     "<parameter=opts>{\"a\": [1]}</parameter><parameter=ids>[1, 2]</parameter></function></tool_call>", "Let me.",
+     {"x": 2.5, "ok": True, "opts": {"a": [1]}, "ids": [1, 2]}),
+    # a string stays text, "null" is null for other types, text that is not its type stays text, as do
+    # parameters the schema does not know
+    ("<tool_call><function=run><parameter=cmd>42</parameter><parameter=n>null</parameter>"
+     "<parameter=x>many</parameter><parameter=extra>\n 7 \n</parameter></function></tool_call>", "",
+     {"cmd": "42", "n": None, "x": "many", "extra": " 7 "}),
+])
+def test_qwen3_coder_calls(reply: str, content: str, arguments: dict):
+    """Nemotron-3-Nano's and Qwen3-Coder's XML calls, each value read as its parameter's
+    schema type in the request's tools."""
+    got, calls = ToolCallSplit(QWEN3_CODER, [SCHEMA]).feed(reply, final=True)
+    assert got == content and [(c.name, json.loads(c.arguments)) for c in calls] == [("run", arguments)]
+
+
 def test_call_ids_are_distinct():
     _, calls = ToolCallSplit(HERMES).feed('<tool_call>{"name": "a"}</tool_call>' * 3, final=True)
     assert len({call.id for call in calls}) == 3 and all(call.id.startswith("call_") for call in calls)
 
 
-@pytest.mark.parametrize("fmt", [HERMES, NEMOTRON])
+@pytest.mark.parametrize("fmt", [HERMES, NEMOTRON, QWEN3_CODER])
 def test_a_stream_splits_as_the_whole_reply(fmt):
     """Every way of cutting a reply into deltas (tags cut anywhere) gives the whole reply's
     content and calls."""
     rng = random.Random(0)
-    call = '{"name": "wx", "arguments": {"a": 1}}' if fmt is HERMES else '[{"name": "wx"}]'
+    call = {HERMES: '{"name": "wx", "arguments": {"a": 1}}', NEMOTRON: '[{"name": "wx"}]',
+            QWEN3_CODER: "<function=wx>\n<parameter=a>\n1\n</parameter>\n</function>"}[fmt]
     pieces = [fmt.open + call + fmt.close, fmt.open + "{bad" + fmt.close, fmt.open, fmt.close, fmt.open[:4], " ",
               "\n", "x", "<"]
     called = 0
