@@ -103,12 +103,11 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
 
     def _parses_special_tags(self, request: ChatCompletionRequest) -> bool:
         """Whether a parser of this request's reply reads tags that the tokenizer marks
-        special, which must then reach the text: tool calls whenever they are parsed (as
-        vLLM's parsers ask), "<think>" / "</think>" where they are special tokens."""
+        special ("<think>", "<tool_call>", ...), which must then reach the text."""
+        tags = THINK_TAGS if self.reasoning_parser else ()
         if self.tool_call_format is not None and request.calls_tools:
-            return True
-        return self.reasoning_parser is not None and any(
-            self._special_tokens.fullmatch(tag) for tag in THINK_TAGS)
+            tags += (self.tool_call_format.open, self.tool_call_format.close)
+        return any(self._special_tokens.fullmatch(tag) for tag in tags)
 
     def _response(self, request: ChatCompletionRequest, request_id: str, finals: list[RequestOutput],
                   splits: list[ReplySplit]) -> ChatCompletionResponse:

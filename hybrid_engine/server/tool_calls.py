@@ -27,6 +27,7 @@ arguments), which OpenAI's clients assemble as they do pieces.
 """
 import dataclasses
 import json
+import math
 import re
 import uuid
 from typing import Any, Literal
@@ -48,8 +49,6 @@ TOOL_CALL_PARSERS = {
     "nemotron_json": ToolCallFormat("<TOOLCALL>", "</TOOLCALL>", "list"),
     "qwen3_coder": ToolCallFormat("<tool_call>", "</tool_call>", "xml"),
 }
-_XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
-_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,18 +133,23 @@ def _calls(block: str, body: str) -> list[ParsedCall]:
     items = value if body == "list" and isinstance(value, list) else [value]
     calls = []
     for item in items:
-        if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
-            continue
-        arguments = item.get("arguments", {})
-        if not isinstance(arguments, (dict, str)):
-            continue
-        if isinstance(arguments, dict):
-            try:
-                arguments = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
-            except ValueError:  # an infinite number: no JSON for it
-                continue
-        calls.append(ParsedCall(f"call_{uuid.uuid4().hex[:24]}", item["name"], arguments))
+        if isinstance(item, dict) and isinstance(item.get("name"), str):
+            call = _call(item["name"], item.get("arguments", {}))
+            calls += [call] if call else []
     return calls
+
+
+def _call(name: str, arguments: Any) -> ParsedCall | None:
+    """A call of `name` with `arguments` (an object, written out as JSON, or a JSON string,
+    kept); None for other arguments or numbers JSON cannot write (infinite ones)."""
+    if isinstance(arguments, dict):
+        try:
+            arguments = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        except (ValueError, RecursionError):
+            return None
+    if not isinstance(arguments, str):
+        return None
+    return ParsedCall(f"call_{uuid.uuid4().hex[:24]}", name, arguments)
 
 
 def _no_constant(name: str) -> None:
@@ -154,45 +158,64 @@ def _no_constant(name: str) -> None:
 
 
 def _xml_calls(block: str, tools: list[dict[str, Any]]) -> list[ParsedCall]:
-    """qwen3_coder's calls: `<function=NAME>` holding `<parameter=KEY>value</parameter>`s, each
-    value read as its parameter's JSON Schema type says (`_typed`)."""
+    """qwen3_coder's calls: each `<function=NAME>` up to its `</function>` (or the next
+    function, or the block's end: a reply cut off is read as far as it goes), holding
+    `<parameter=KEY>value</parameter>`s, each value read as its parameter's JSON Schema type
+    says (`_typed`). One pass over the text (`_xml_sections`)."""
     calls = []
-    for function in _XML_FUNCTION.finditer(block):
-        name = function.group(1).strip()
-        schema = next((tool.get("function", {}).get("parameters") or {} for tool in tools
-                       if tool.get("function", {}).get("name") == name), {})
-        properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-        arguments = {}
-        for parameter in _XML_PARAMETER.finditer(function.group(2)):
-            key, value = parameter.group(1).strip(), parameter.group(2)
-            value = value[1:] if value.startswith("\n") else value
-            value = value[:-1] if value.endswith("\n") else value
-            arguments[key] = _typed(value, properties.get(key))
-        try:
-            text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
-        except ValueError:
+    for function in _xml_sections(block, "<function=", "</function>"):
+        name, bracket, body = function.partition(">")
+        if not bracket or "\n" in name:
             continue
-        calls.append(ParsedCall(f"call_{uuid.uuid4().hex[:24]}", name, text))
+        name = name.strip()
+        properties = next((tool["function"].get("parameters") or {} for tool in tools
+                           if tool["function"]["name"] == name), {}).get("properties")
+        properties = properties if isinstance(properties, dict) else {}
+        arguments = {}
+        for parameter in _xml_sections(body, "<parameter=", "</parameter>"):
+            key, bracket, value = parameter.partition(">")
+            if bracket and "\n" not in key:
+                value = value[1:] if value.startswith("\n") else value
+                value = value[:-1] if value.endswith("\n") else value
+                arguments[key.strip()] = _typed(value, properties.get(key.strip()))
+        call = _call(name, arguments)
+        calls += [call] if call else []
     return calls
 
 
+def _xml_sections(text: str, opening: str, closing: str) -> list[str]:
+    """What follows each `opening` in `text`, up to its `closing`, or else to the next
+    `opening` or the end: each stretch of the text is searched once."""
+    starts = [found.end() for found in re.finditer(re.escape(opening), text)]
+    sections = []
+    for start, stop in zip(starts, [begin - len(opening) for begin in starts[1:]] + [len(text)]):
+        section = text[start:stop]
+        end = section.find(closing)
+        sections.append(section if end < 0 else section[:end])
+    return sections
+
+
 def _typed(value: str, schema: Any) -> Any:
-    """A qwen3_coder parameter's text as its schema's type: integer, number, boolean, object
-    or array parsed ("null" is null), anything else (a string, an unknown parameter, text
-    that does not parse as its type) kept as text, as vLLM's parser reads them."""
+    """A qwen3_coder parameter's text as its schema's type says, as vLLM's parser reads it:
+    "null" is null; an integer, a number (an integral one as an int) or an object or array
+    parsed; anything else (a string, an unknown parameter) kept as text. Unlike vLLM, text
+    that is not its type stays text: a boolean other than true or false (vLLM: false), an
+    infinite number (no JSON for it), Python-literal objects (vLLM tries them)."""
     kind = schema.get("type") if isinstance(schema, dict) else None
-    if value.strip().lower() == "null" and kind != "string":
+    text = value.strip()
+    if text.lower() == "null":
         return None
     try:
         if kind == "integer":
-            return int(value.strip())
+            return int(text)
         if kind == "number":
-            number = float(value.strip())
-            return int(number) if number.is_integer() and "." not in value and "e" not in value.lower() else number
-        if kind == "boolean" and value.strip().lower() in ("true", "false"):
-            return value.strip().lower() == "true"
+            number = float(text)
+            if math.isfinite(number):
+                return int(number) if number.is_integer() else number
+        if kind == "boolean" and text.lower() in ("true", "false"):
+            return text.lower() == "true"
         if kind in ("object", "array"):
             return json.loads(value, parse_constant=_no_constant)
-    except ValueError:
+    except (ValueError, RecursionError):
         pass
     return value

@@ -7,6 +7,7 @@ from typing import Iterator
 
 import httpx
 import pytest
+from tokenizers import AddedToken
 
 from hybrid_engine.config import EngineConfig
 from hybrid_engine.engine import LLMEngine
@@ -62,17 +63,25 @@ SCHEMA = {"type": "function", "function": {"name": "run", "parameters": {"type":
     ("Let me.\n<tool_call><function=run><parameter=x>2.5</parameter><parameter=ok>True</parameter>"
      "<parameter=opts>{\"a\": [1]}</parameter><parameter=ids>[1, 2]</parameter></function></tool_call>", "Let me.",
      {"x": 2.5, "ok": True, "opts": {"a": [1]}, "ids": [1, 2]}),
-    # a string stays text, "null" is null for other types, text that is not its type stays text, as do
-    # parameters the schema does not know
+    # a string stays text, "null" is null, text that is not its type stays text, as do parameters the
+    # schema does not know; an integral number is an int, an infinite one text
     ("<tool_call><function=run><parameter=cmd>42</parameter><parameter=n>null</parameter>"
      "<parameter=x>many</parameter><parameter=extra>\n 7 \n</parameter></function></tool_call>", "",
      {"cmd": "42", "n": None, "x": "many", "extra": " 7 "}),
+    ("<tool_call><function=run><parameter=x>1e3</parameter><parameter=ok>yes</parameter></function></tool_call>"
+     "<tool_call><function=run><parameter=x>1e400</parameter></function></tool_call>", "",
+     {"x": 1000, "ok": "yes"}),
+    # cut off: read as far as it goes (no </parameter>, no </function>)
+    ("<tool_call><function=run><parameter=cmd>ls<parameter=n>2", "", {"cmd": "ls", "n": 2}),
+    # nested past what JSON parsing can take: text, not a failed request
+    ("<tool_call><function=run><parameter=ids>" + "[" * 3000 + "</parameter></function></tool_call>", "",
+     {"ids": "[" * 3000}),
 ])
 def test_qwen3_coder_calls(reply: str, content: str, arguments: dict):
     """Nemotron-3-Nano's and Qwen3-Coder's XML calls, each value read as its parameter's
     schema type in the request's tools."""
     got, calls = ToolCallSplit(QWEN3_CODER, [SCHEMA]).feed(reply, final=True)
-    assert got == content and [(c.name, json.loads(c.arguments)) for c in calls] == [("run", arguments)]
+    assert got == content and [(c.name, json.loads(c.arguments)) for c in calls][:1] == [("run", arguments)]
 
 
 def test_call_ids_are_distinct():
@@ -117,11 +126,13 @@ def test_reasoning_first_then_calls():
 
 @pytest.fixture(scope="module")
 def tools_server() -> Iterator[Server]:
-    """The embedded model with a template that writes the tools' names, serving tool calls."""
+    """The embedded model with a template that writes the tools' names, serving tool calls;
+    its tokenizer marks the call tags special (as some do; the model never samples them)."""
     def engine() -> LLMEngine:
         built = LLMEngine(EngineConfig(device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN))
         built.tokenizer.chat_template = ("{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
                                          "{{ messages[-1].content }}")
+        built.tokenizer.add_tokens([AddedToken(tag, special=True) for tag in ("<tool_call>", "</tool_call>")])
         return built
 
     with serve_in_thread(engine, tool_call_parser="hermes") as server:
@@ -145,9 +156,9 @@ def test_the_server_takes_tools(tools_server: Server):
     assert all("tool_calls" not in d for d in deltas)
 
 
-def test_replies_whose_calls_are_parsed_keep_special_tokens(tools_server: Server):
-    """As vLLM's parsers ask (some tokenizers mark the call tags special): the same tokens
-    read as with `skip_special_tokens: false` when calls are parsed."""
+def test_replies_whose_call_tags_are_special_keep_special_tokens(tools_server: Server):
+    """Where the tokenizer marks the call tags special, they must reach the text: the same
+    tokens read as with `skip_special_tokens: false` when calls are parsed."""
     body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WX], "max_tokens": 80, "temperature": 1.0,
             "seed": 3, "ignore_eos": True}
 
