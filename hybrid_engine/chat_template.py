@@ -115,9 +115,10 @@ def render_chat_prompt(tokenizer: Any, messages: list[dict[str, Any]], special_t
         check_unicode(text, f"messages.{i}.{field}")
     pieces = prompt_pieces(render, contents, special_tokens, special_token_starts(tokenizer))
     # What the reply continues: the markup after the last message text (the generation
-    # prompt), or, continuing a final message, that message's text on.
+    # prompt), or, continuing a final message that has text, that text on.
     last = max((j for j, piece in enumerate(pieces) if piece.from_text), default=-1)
-    start = last if continue_final_message else last + 1
+    final_text = dict(zip(fields, contents)).get((len(messages) - 1, "content"), "")
+    start = last if continue_final_message and final_text.strip() else last + 1
     return ChatPrompt(encode(pieces, tokenizer, special_tokens), "".join(piece.text for piece in pieces[start:]))
 
 

@@ -391,3 +391,6 @@ def test_the_reply_prefix_is_the_templates_not_the_users():
     continued = asked + [{"role": "assistant", "content": "<think>\nplan"}]
     assert render_chat_prompt(tokenizer, continued, pattern, add_generation_prompt=False,
                               continue_final_message=True).reply_prefix == "<think>\nplan"
+    empty = asked + [{"role": "assistant", "content": ""}]  # (nothing of the user's either)
+    assert render_chat_prompt(tokenizer, empty, pattern, add_generation_prompt=False,
+                              continue_final_message=True).reply_prefix == "<|im_end|>\n<|im_start|>assistant\n"
