@@ -62,8 +62,8 @@ class LLM:
         special tokens, so "<|im_end|>" in one stays those characters),
         then generated as `generate` does; outputs come back in conversation order.
         `add_generation_prompt` ends the prompt with the assistant prefix;
-        `continue_final_message` (with it false) leaves the last, assistant, message open
-        for the model to continue; `chat_template_kwargs` are extra template variables,
+        `continue_final_message` (with it false) leaves the last message (usually an
+        assistant's) open for the model to continue; `chat_template_kwargs` are extra template variables,
         e.g. {"enable_thinking": False}; `chat_template` is a Jinja template to use instead
         of the tokenizer's, or the path of a file holding one (as the server's
         `--chat-template`). Invalid input raises ValueError naming the field."""

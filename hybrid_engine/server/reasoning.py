@@ -62,29 +62,24 @@ class ReasoningSplit:
         while text:
             if self.part == "content":
                 content, text = content + text, ""
-            elif self.part == "undecided":
+                continue
+            if self.at_start:  # (an undecided reply is always at its start)
                 opened = text.lstrip()
-                if opened.startswith(START):
+                if opened.startswith(START):  # the reply opens a block, or repeats the prompt's "<think>"
                     self.part, text = "reasoning", opened[len(START):]
-                elif START.startswith(opened) and not final:
-                    self.held, text = text, ""  # white space, or a piece of "<think>": wait
-                else:
-                    self.part = "content"
-            else:
-                if self.at_start:
-                    opened = text.lstrip()
-                    if opened.startswith(START):  # the reply repeats the prompt's "<think>"
-                        text = opened[len(START):]
-                        continue
-                    if START.startswith(opened) and not final:
-                        self.held, text = text, ""
-                        continue
-                end = text.find(END)
-                if end >= 0:
-                    reasoning += text[:end]
-                    self.part, text = "content", text[end + len(END):]
                     continue
-                keep = 0 if final else tag_prefix_length(text, END)
-                reasoning, self.held, text = reasoning + text[:len(text) - keep], text[len(text) - keep:], ""
+                if START.startswith(opened) and not final:
+                    self.held, text = text, ""  # white space, or a piece of "<think>": wait
+                    continue
+                if self.part == "undecided":
+                    self.part = "content"
+                    continue
+            end = text.find(END)
+            if end >= 0:
+                reasoning += text[:end]
+                self.part, text = "content", text[end + len(END):]
+                continue
+            keep = 0 if final else tag_prefix_length(text, END)
+            reasoning, self.held, text = reasoning + text[:len(text) - keep], text[len(text) - keep:], ""
             self.at_start = self.at_start and not reasoning
         return reasoning, content
