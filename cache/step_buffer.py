@@ -44,8 +44,16 @@ other ranks (`pack` / `unpack`).
 |                     |         |            | prompt-only limit would have clamped (prefix    |
 |                     |         |            | caching); zero on the host, so every step's     |
 |                     |         |            | copy clears it                                  |
+| grammar_rows        | int32   | [S]        | structured outputs: the row of grammar_masks    |
+|                     |         |            | that constrains a sequence's sample (-1: none); |
+|                     |         |            | written and read only in steps with masks       |
 | temperature, top_p, min_p, repetition/presence/frequency_penalty | float32 | [S] | sampling |
 | prompt_token_mask   | bool    | [T]        | token belongs to the prompt (Mamba dt limit)    |
+| grammar_masks       | uint8   | [S, V/8]   | the tokens a constrained sample may take, one   |
+|                     |         |            | bit per token id (bit t % 8 of byte t // 8)     |
+
+`grammar_masks` comes last, so a step copies only the mask rows it uses: the copy ends
+there (`sync(mask_rows)`), and a step without structured outputs copies none of them.
 """
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -127,10 +135,11 @@ class StepExtent(NamedTuple):
     width: int  # verify_dst rows (positions of the widest decode row)
     new_slots: int
     saves: int
+    masks: int = 0  # grammar_masks rows (structured outputs)
 
 
 def _fields(max_tokens: int, max_seqs: int, max_blocks: int, max_new_slots: int, max_width: int,
-            max_saves: int) -> list[_Field]:
+            max_saves: int, mask_bytes: int) -> list[_Field]:
     t, s = (max_tokens,), (max_seqs,)
     max_saves = max(max_saves, 1)  # (a zero-size view would have no address inside the buffer)
     return (
@@ -141,9 +150,10 @@ def _fields(max_tokens: int, max_seqs: int, max_blocks: int, max_new_slots: int,
         + [_Field("cu_seqlens_q", torch.int32, (max_seqs + 1,)), _Field("prefill_cu_seqlens", torch.int32, (max_seqs + 1,)),
            _Field("save_cu", torch.int32, (max_seqs + 1,)), _Field("save_offsets", torch.int32, (max_saves,)),
            _Field("seq_lens", torch.int32, s), _Field("block_tables", torch.int32, (max_seqs, max_blocks)),
-           _Field("top_k", torch.int32, s), _Field("dt_limit_hits", torch.int32, s)]
+           _Field("top_k", torch.int32, s), _Field("dt_limit_hits", torch.int32, s),
+           _Field("grammar_rows", torch.int32, s)]
         + [_Field(n, torch.float32, s) for n in SAMPLING_F32]
-        + [_Field("prompt_token_mask", torch.bool, t)]
+        + [_Field("prompt_token_mask", torch.bool, t), _Field("grammar_masks", torch.uint8, (max_seqs, mask_bytes))]
     )
 
 
@@ -153,8 +163,9 @@ _RANGES_CACHE_SIZE = 256  # step extents whose byte ranges a StepBuffer keeps
 STALE_JUNK = 0x5A
 # Which count of a StepExtent gives each field's leading rows (block_tables: rows of MB).
 _EXTENT_OF = {**dict.fromkeys(TOKEN_I64 + ("prompt_token_mask",), "token"),
-              **dict.fromkeys(SEQ_I64 + SAMPLING_F32 + ("seq_lens", "block_tables", "top_k", "dt_limit_hits"),
-                              "seq"),
+              **dict.fromkeys(SEQ_I64 + SAMPLING_F32 + ("seq_lens", "block_tables", "top_k", "dt_limit_hits",
+                                                        "grammar_rows"), "seq"),
+              "grammar_masks": "masks",
               **dict.fromkeys(("cu_seqlens_q", "prefill_cu_seqlens", "save_cu"), "cu"),
               "new_state_slots": "new", "save_slots": "save", "save_offsets": "save"}
 
@@ -203,10 +214,12 @@ class StepBuffer:
     """
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, max_new_slots: int,
-                 device: torch.device, max_width: int = 1, max_saves: int = 0):
+                 device: torch.device, max_width: int = 1, max_saves: int = 0, mask_bytes: int = 1):
         self.max_tokens, self.max_seqs, self.max_blocks_per_seq = max_tokens, max_seqs, max_blocks_per_seq
-        fields = _fields(max_tokens, max_seqs, max_blocks_per_seq, max_new_slots, max_width, max_saves)
+        fields = _fields(max_tokens, max_seqs, max_blocks_per_seq, max_new_slots, max_width, max_saves, mask_bytes)
         nbytes = _layout_bytes(fields)
+        self._mask_row_bytes = mask_bytes
+        self._masks_offset = nbytes - max_seqs * mask_bytes
         pin = device.type == "cuda"
         self._host_bytes = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         self._host_views = [_views(b, fields) for b in self._host_bytes]
@@ -279,7 +292,7 @@ class StepBuffer:
         if ranges is not None:
             return ranges
         leading = {"token": extent.tokens, "seq": extent.seqs, "cu": extent.seqs + 1, "new": extent.new_slots,
-                   "save": extent.saves}
+                   "save": extent.saves, "masks": extent.masks}
         ranges = []
         for name, offset, row_bytes, rows_apart in self._field_rows:
             if name == "verify_dst":  # [width, seqs], position-major: each position's rows
@@ -317,9 +330,11 @@ class StepBuffer:
             data[start:stop] = packed[at:at + stop - start]
             at += stop - start
 
-    def sync(self) -> None:
-        """Mirror the host buffer into the device buffer: the step's single H2D copy."""
-        self._device_bytes.copy_(self._host_bytes[self._current], non_blocking=True)
+    def sync(self, mask_rows: int = 0) -> None:
+        """Mirror the host buffer into the device buffer: the step's single H2D copy, which
+        takes the first `mask_rows` rows of `grammar_masks` and none after them."""
+        end = self._masks_offset + mask_rows * self._mask_row_bytes
+        self._device_bytes[:end].copy_(self._host_bytes[self._current][:end], non_blocking=True)
         self.num_syncs += 1
         if self._device_bytes.is_cuda:
             event = torch.cuda.Event()

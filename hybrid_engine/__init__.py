@@ -5,6 +5,7 @@ from hybrid_engine.config import EngineConfig
 from hybrid_engine.engine import LLMEngine
 from hybrid_engine.llm import LLM
 from hybrid_engine.request import CompletionOutput, RequestOutput
-from hybrid_engine.sampling_params import SamplingParams
+from hybrid_engine.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["__version__", "LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["__version__", "LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams"]

@@ -11,7 +11,7 @@ device views), so a replay only needs the step's one host-to-device copy.
 
 A third graph per (size, width) stops at the sampled rows' final hidden states: a decode
 step whose rows want penalties or logprobs (a sampler whose kernels and output width
-vary with the batch) replays it and runs only the LM head and the sampler eagerly, so
+vary with the batch) or a grammar's token mask (structured outputs) replays it and runs only the LM head and the sampler eagerly, so
 that such requests decode at graph speed too.
 
 A decode batch is padded up to the next captured size; padding rows use Mamba slot -1,
@@ -114,10 +114,11 @@ class DecodeGraphs:
         """Run this (already padded) plan's step through its graphs: its packed samples, or
         None if no graph fits (prefill chunks, a size not captured). A plan with penalties
         or logprobs replays the forward graph and hands the sampled rows' hidden states to
-        `sampler` (the runner's `sample_rows` for this plan, run eagerly)."""
+        `sampler` (the runner's `sample_rows` for this plan, run eagerly); so does one with
+        structured outputs (grammar masks)."""
         if plan.num_prefill:
             return None
-        eager_sampler = plan.use_penalties or plan.num_logprobs >= 0
+        eager_sampler = plan.use_penalties or plan.num_logprobs >= 0 or plan.num_masks > 0
         kind = FORWARD if eager_sampler else GREEDY if plan.all_greedy else SAMPLING
         with self._lock:
             entry = self._graphs.get((plan.num_decode, plan.decode_width, kind))

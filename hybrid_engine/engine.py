@@ -47,11 +47,13 @@ from hybrid_engine.prompts import RequestLimits, validate_request
 from hybrid_engine.request import Request, RequestOutput, RequestStatus
 from hybrid_engine.runner import ModelRunner
 from hybrid_engine.sampling import derive_seed
-from hybrid_engine.sampling_params import SamplingParams
+from hybrid_engine.sampling_params import ParameterError, SamplingParams
 from hybrid_engine.scheduler import RetiredStep, Scheduler, SchedulerOutput
 from hybrid_engine.spec.draft_model import DRAFT_CHECKPOINTS_PER_SEQ, DraftModel, draft_engine_config
 from hybrid_engine.spec.drafter import Drafter
 from hybrid_engine.step import StepHandle, StepSamples
+from hybrid_engine.structured.grammar import GrammarCompiler
+from hybrid_engine.structured.vocabulary import TokenVocabulary
 from hybrid_engine.tokenizer import build_byte_tokenizer, load_tokenizer
 from layers.kernels import select_ops
 from layers.kernels.reference.ssd import clamps_dt
@@ -293,6 +295,7 @@ class LLMEngine:
         self._undelivered: list[RequestOutput] = []  # an interrupted step's outputs: out with the next step's
         self._gc = StepGarbageCollector()
         self._seed_counter = 0
+        self._grammars: GrammarCompiler | None = None  # structured outputs (`_grammar_compiler`)
         self._inflight: StepHandle | None = None  # launched, not yet retired (kept across step calls)
         self._unretired: list[SchedulerOutput] = []  # scheduled steps whose rows have not retired
         self._rejector = random.Random(cfg.seed)  # inject_rejection_rate draws, deterministic
@@ -456,7 +459,21 @@ class LLMEngine:
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         seed = derived_seed if params.seed is None else params.seed
         text = prompt if isinstance(prompt, str) else None
-        return Request(request_id, text, ids, params, seed, eos, detok)
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self._grammar_compiler().start(params.structured_outputs, eos)
+        return Request(request_id, text, ids, params, seed, eos, detok, grammar=grammar)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """The compiler of structured-output grammars over this model's vocabulary, made at
+        the first request that needs one (reading the vocabulary takes a moment)."""
+        if self.tokenizer is None:
+            raise ParameterError("structured_outputs", "structured_outputs: structured outputs need a tokenizer; "
+                                                       "this model has none")
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(TokenVocabulary(self.tokenizer, self.model_config.vocab_size,
+                                                             self.eos_token_ids))
+        return self._grammars
 
     def enqueue(self, request: Request) -> None:
         """Queue a request built by the caller, as it is: no validation, no detokenizer

@@ -6,6 +6,7 @@ from cache.mamba_cache import RequestState
 from cache.prefix_cache import NEVER
 from hybrid_engine.detokenizer import IncrementalDetokenizer
 from hybrid_engine.sampling_params import SamplingParams
+from hybrid_engine.structured.grammar import GrammarState
 
 
 class RequestStatus(Enum):
@@ -129,6 +130,9 @@ class Request:
     seed: int  # sampling noise key: the user's seed or one derived from the engine seed
     eos_token_ids: frozenset[int]  # empty with ignore_eos
     detokenizer: IncrementalDetokenizer | None
+    # Structured outputs: where the output stands in its grammar (None: unconstrained).
+    # The scheduler advances it as it appends tokens; the runner reads its token mask.
+    grammar: GrammarState | None = None
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     status: RequestStatus = RequestStatus.WAITING

@@ -20,7 +20,7 @@ from cache.step_buffer import (NEUTRAL_SAMPLING, SAMPLING, SAMPLING_F32_ROWS, SE
                                StepBuffer, TokenFields)
 from hybrid_engine.models.base import HybridForCausalLM
 from hybrid_engine.request import Request
-from hybrid_engine.sampling import GREEDY_BELOW_TEMPERATURE, SamplerOutput, SamplingTensors, sample
+from hybrid_engine.sampling import GREEDY_BELOW_TEMPERATURE, SamplerOutput, SamplingTensors, apply_token_masks, sample
 from hybrid_engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from hybrid_engine.scheduler import ScheduledChunk, SchedulerOutput
 from hybrid_engine.step import StepHandle, StepPlan
@@ -79,7 +79,8 @@ class ModelRunner:
         max_tokens = self._aligned(max_num_batched_tokens + self.max_seqs * max_drafts)
         # A step's prefix-cache saves each take a checkpoint slot (and a token position).
         self.buffer = StepBuffer(max_tokens, self.max_seqs, self.max_blocks_per_seq, mamba.num_slots, device,
-                                 self.max_width, max_saves=min(mamba.checkpoint_slots, max_tokens))
+                                 self.max_width, max_saves=min(mamba.checkpoint_slots, max_tokens),
+                                 mask_bytes=(model.config.vocab_size + 7) // 8)
         for layer, (k, v) in zip(model.attention_layers(), kv.kv_caches):
             layer.kv_cache = (k, v)
         for i, mixer in enumerate(model.mamba_mixers()):
@@ -179,7 +180,7 @@ class ModelRunner:
         plan.host_index = self.buffer.current_index
         if self.sender is not None:
             self.sender.send(plan, self.buffer)
-        self.buffer.sync()
+        self.buffer.sync(plan.num_masks)
         return plan
 
     def _has_drafts(self, sched: SchedulerOutput) -> bool:
@@ -260,7 +261,24 @@ class ModelRunner:
             size = self.graphs.padded_size(n_dec, plan.num_prefill)
             if size is not None:
                 self._write_padding(plan, size)
+        plan.num_masks = self._write_grammar_masks(sched, plan.num_seqs)
         return plan
+
+    def _write_grammar_masks(self, sched: SchedulerOutput, num_rows: int) -> int:
+        """Structured outputs: the token mask of every sampling row whose request has a
+        grammar, and each row's mask index (-1: unconstrained; graph padding included).
+        Returns how many masks the step uses (0: the fields are neither written nor read)."""
+        chunks = [c for c in sched.decodes + sched.prefills if c.samples and c.request.grammar is not None]
+        if not chunks:
+            return 0
+        h = self.buffer.host_np
+        grammar_rows, masks = h["grammar_rows"], h["grammar_masks"]
+        grammar_rows[:num_rows] = -1
+        row_of = {id(c): i for i, c in enumerate(sched.decodes + sched.prefills)}
+        for k, chunk in enumerate(chunks):
+            chunk.request.grammar.write_mask(masks[k])
+            grammar_rows[row_of[id(chunk)]] = k
+        return len(chunks)
 
     def _check_steady_decode(self, plan: StepPlan, prev: StepHandle) -> None:
         """Debug check (HYBRID_ENGINE_CHECK_FAST_PATHS=1, set by the tests): rewrite the
@@ -567,11 +585,16 @@ class ModelRunner:
         the ones `forward_rows` fed."""
         d, nd, width = self.buffer.device, plan.num_decode, plan.decode_width
         input_ids = d["input_ids"][: plan.num_tokens]
-        if plan.all_greedy and plan.num_logprobs < 0 and not plan.use_penalties:
+        if plan.all_greedy and plan.num_logprobs < 0 and not plan.use_penalties and not plan.num_masks:
             # `sample` would take the logits' argmax: one op from the LM head's output instead
             out = SamplerOutput(sampled_token_ids=self.model.greedy_tokens(hidden))
         else:
             logits = self.model.compute_logits(hidden)
+            if plan.num_masks:
+                rows = d["grammar_rows"][: plan.num_seqs]
+                if width > 1:
+                    rows = torch.cat((rows[:nd].repeat_interleave(width), rows[nd:]))
+                logits = apply_token_masks(logits, rows, d["grammar_masks"][: plan.num_masks])
             out = sample(logits, self._sampling_tensors(plan, meta, input_ids), num_logprobs=plan.num_logprobs,
                          all_greedy=plan.all_greedy, use_penalties=plan.use_penalties)
         tokens = out.sampled_token_ids

@@ -25,6 +25,7 @@ __all__ = [
     "SamplerOutput",
     "sample",
     "apply_penalties",
+    "apply_token_masks",
     "top_logprobs",
     "filtered_logits",
     "filtered_probs",
@@ -128,6 +129,20 @@ def uniform_noise(seed: torch.Tensor, output_pos: torch.Tensor, vocab_size: int)
 # with a lower (nonzero) temperature samples greedily, the limit it tends to -- only exact
 # ties could tell the two apart. Applied where a request's sampling row is built.
 GREEDY_BELOW_TEMPERATURE = 1e-20
+
+
+def apply_token_masks(logits: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """Structured outputs: the logits with -inf wherever a row's grammar forbids the token.
+
+    `rows` [B] is each row's index into `masks` (-1: unconstrained), `masks` [M, ceil(V/8)]
+    uint8 holds one bit per token id (bit t % 8 of byte t // 8). Applied before `sample`, as
+    vLLM applies its grammar bitmask, so a constrained row's logprobs are those of the
+    distribution it was sampled from.
+    """
+    vocab = torch.arange(logits.shape[-1], device=logits.device)
+    packed = masks[rows.clamp(min=0).long()][:, vocab >> 3]
+    allowed = packed.bitwise_right_shift((vocab & 7).to(torch.uint8)).bitwise_and_(1).bool()
+    return logits.masked_fill((rows >= 0)[:, None] & ~allowed, float("-inf"))
 
 
 # --- Parameter / result containers -------------------------------------------------

@@ -5,6 +5,8 @@ of their valid ranges.
 checks it, and the HTTP server builds its request schema from it, so the library and the
 server accept exactly the same values.
 """
+import dataclasses
+import json
 import math
 import numbers
 from dataclasses import asdict, dataclass, fields
@@ -82,6 +84,70 @@ _NULLABLE = frozenset({"seed", "logprobs"})
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM's `StructuredOutputsParams`; set exactly one
+    of `json`, `regex`, `choice`, `json_object`): the sampler only ever draws tokens that
+    keep the output a prefix of a text the grammar accepts, and the request stops
+    (finish_reason "stop") once the text is complete and nothing can follow it.
+
+    - `json`: a JSON schema (a dict, or its JSON text): the output is one JSON value valid
+      against it (what is supported: `hybrid_engine/structured/json_schema.py`).
+    - `regex`: the whole output matches it (`hybrid_engine/structured/regex.py`).
+    - `choice`: the output is one of these strings.
+    - `json_object`: the output is one JSON object, any content.
+    - `disable_any_whitespace`: no whitespace between JSON tokens (json and json_object).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        field = "structured_outputs"
+        kinds = [name for name in ("json", "regex", "choice", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(kinds) != 1:
+            raise ParameterError(field, f"{field}: set exactly one of json, regex, choice, json_object "
+                                        f"(got {', '.join(kinds) or 'none'})")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as error:
+                raise ParameterError(f"{field}.json", f"{field}.json is not valid JSON: {error}") from None
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ParameterError(f"{field}.json", f"{field}.json must be a JSON schema (an object), "
+                                                  f"got {type(self.json).__name__}")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ParameterError(f"{field}.regex", f"{field}.regex must be a string, got {self.regex!r}")
+        if self.choice is not None:
+            if not (isinstance(self.choice, (list, tuple)) and self.choice
+                    and all(isinstance(c, str) and c for c in self.choice)):
+                raise ParameterError(f"{field}.choice", f"{field}.choice must be a non-empty list of non-empty "
+                                                        f"strings, got {self.choice!r}")
+            self.choice = list(self.choice)
+            for text in self.choice:
+                check_unicode(text, f"{field}.choice")
+        for name in ("json_object", "disable_any_whitespace"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ParameterError(f"{field}.{name}", f"{field}.{name} must be a bool, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "StructuredOutputsParams":
+        """Build from a dict (a request body's `structured_outputs`), rejecting unknown keys
+        with a ParameterError naming them."""
+        if not isinstance(values, dict):
+            raise ParameterError("structured_outputs", f"structured_outputs must be an object, got {values!r}")
+        unknown = sorted(set(values) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ParameterError(f"structured_outputs.{unknown[0]}",
+                                 f"structured_outputs: unknown or unsupported field(s): {', '.join(unknown)}")
+        return cls(**values)
+
+
+@dataclass
 class SamplingParams:
     """How to decode one request. Invalid values raise `ParameterError` (a ValueError)
     naming the field; numeric ranges are those of `RANGES`.
@@ -90,6 +156,7 @@ class SamplingParams:
     penalties 1, 0, 0 are "off".
     `seed` makes sampling reproducible per request: the noise for output token i is a pure
     function of (seed, i). `logprobs=n` returns the sampled token's logprob plus the top n.
+    `structured_outputs` constrains the output to a grammar (`StructuredOutputsParams`).
     """
 
     max_tokens: int = 16
@@ -107,8 +174,16 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        elif self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ParameterError("structured_outputs", "structured_outputs must be StructuredOutputsParams or a "
+                                                           f"dict, got {type(self.structured_outputs).__name__}")
+            self.structured_outputs = dataclasses.replace(self.structured_outputs)  # re-validated, a copy
         for name, valid in RANGES.items():
             value = getattr(self, name)
             if not (value is None and name in _NULLABLE):

@@ -11,7 +11,7 @@ Every status change and every cursor of a `Request` is written here and nowhere 
 | PAUSED         | `schedule`: the block is free           | RUNNING          | row launched                         |
 | RUNNING/PAUSED | `schedule`: nothing fits (evict)        | WAITING          | frees all; recomputes prompt+output  |
 | RUNNING/PAUSED | `retire` a valid row                    | same/FINISHED    | state committed, sample appended,    |
-|                |                                         |                  | stop / EOS / length checked          |
+|                |                                         |                  | stop / EOS / grammar / length checked |
 | RUNNING/PAUSED | `retire` a verify row, `a` of D drafts  | same/FINISHED    | state after draft `a` committed; a+1 |
 |                | accepted                                |                  | samples appended one by one (stops   |
 |                |                                         |                  | checked each); cursors roll back D-a |
@@ -43,7 +43,10 @@ that launch-ahead launched on top of the rejected drafts.
 Launch-ahead: scheduling a chunk *is* launching it (the engine launches every scheduled
 step). The scheduler plans from each request's launched cursors (`num_scheduled`,
 `num_tokens_when_retired`), i.e. as if every in-flight row continues. A request whose
-in-flight sample will surely end it (max_tokens / context reached) is not planned again.
+in-flight sample will surely end it (max_tokens / context reached) is not planned again,
+nor is a constrained one (structured outputs) while its sample is in flight: its next
+token mask depends on that sample. It takes every other launch-ahead step (every step
+when it runs alone), and carries no drafts.
 Pauses are decided here, before a launch, so no launched row belongs to a paused request;
 eviction never touches a request with rows in flight.
 """
@@ -198,7 +201,9 @@ class Scheduler:
             scheduled = request.num_scheduled
             n_out = len(request.output_token_ids) + request.pending_samples
             n_tokens = len(request.prompt_token_ids) + n_out
-            if request.pending_samples and (n_out >= request.params.max_tokens or n_tokens >= self.max_model_len):
+            # (Nor is a constrained one: its next token mask depends on that sample.)
+            if request.pending_samples and (n_out >= request.params.max_tokens or n_tokens >= self.max_model_len
+                                            or request.grammar is not None):
                 continue
             if n_out and scheduled == n_tokens - 1:
                 if scheduled >= len(request.blocks) * block_size and not self._reserve(request, scheduled + 1):
@@ -259,6 +264,8 @@ class Scheduler:
             room = max(0, min(self.drafter.num_speculative_tokens, budget, request.params.max_tokens - n_out - 1,
                               self.max_model_len - n_tokens - 1,
                               (len(request.blocks) + self.kv.num_free) * self.kv.block_size - n_tokens))
+            if request.grammar is not None:  # (drafts would need a mask per position: not drafted)
+                room = 0
             # The input token is in flight when launch-ahead has not retired its sample yet.
             in_flight = chunk.start >= len(request.prompt_token_ids) + len(request.output_token_ids)
             row = DraftRow(request, room, in_flight)
@@ -486,6 +493,10 @@ class Scheduler:
             return "stop"
         if stop_token:  # EOS
             return "stop"
+        if request.grammar is not None:
+            request.grammar.advance(token)
+            if request.grammar.terminated:  # the output is whole and nothing may follow
+                return "stop"
         n_out = len(request.output_token_ids)
         if n_out >= params.max_tokens or len(request.prompt_token_ids) + n_out >= self.max_model_len:
             return "length"

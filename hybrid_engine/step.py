@@ -25,6 +25,7 @@ class StepPlan:
     decode_width: int = 1  # tokens per decode row: 1 + the most drafts of a verify row
     num_new_slots: int = 0  # Mamba state slots to zero before the forward
     num_saves: int = 0  # Mamba states the prefill chunks write from inside themselves (prefix caching)
+    num_masks: int = 0  # grammar masks of the step's constrained rows (structured outputs)
     host_index: int = -1  # the step buffer's host buffer this step was written into
     decode_requests: list[Request] | None = None  # a decode-only step's rows, in order
 
@@ -40,7 +41,8 @@ class StepPlan:
     @property
     def extent(self) -> StepExtent:
         """The leading rows of each step-buffer field this step uses."""
-        return StepExtent(self.num_tokens, self.num_seqs, self.decode_width, self.num_new_slots, self.num_saves)
+        return StepExtent(self.num_tokens, self.num_seqs, self.decode_width, self.num_new_slots, self.num_saves,
+                          self.num_masks)
 
 
 @dataclass

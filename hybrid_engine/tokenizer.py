@@ -119,10 +119,12 @@ _BYTE_LEVEL_CHAR_TO_BYTE = {c: b for b, c in _gpt2_bytes_to_unicode().items()}
 class TokenBytes:
     """token id -> the bytes the token stands for, even when they are not valid UTF-8 on
     their own (part of a character): byte-level BPE tokens map back through GPT-2's byte
-    alphabet, sentencepiece byte-fallback pieces ("<0xE2>") are their byte; anything else
-    (special tokens, whole-character pieces) is its decoded text; ids past the tokenizer
-    (a padded vocabulary) are b"". What it needs of the tokenizer is looked up once:
-    transformers rebuilds `all_special_ids` on every access."""
+    alphabet, sentencepiece byte-fallback pieces ("<0xE2>") are their byte; other pieces are
+    their text as decoded after other text (a sentencepiece word start "▁hello" is
+    " hello": decoded alone, its space would be stripped as a text's first); special tokens
+    are their decoded text; ids past the tokenizer (a padded vocabulary) are b"". What it
+    needs of the tokenizer is looked up once: transformers rebuilds `all_special_ids` on
+    every access."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase):
         self._tokenizer = tokenizer
@@ -130,6 +132,8 @@ class TokenBytes:
         self._special_ids = frozenset(tokenizer.all_special_ids)
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._byte_level = backend is not None and isinstance(backend.decoder, decoders.ByteLevel)
+        self._context = tokenizer.encode("a", add_special_tokens=False)
+        self._context_text = tokenizer.decode(self._context)
 
     def __call__(self, token_id: int) -> bytes:
         if token_id >= self._num_known:
@@ -141,6 +145,9 @@ class TokenBytes:
             fallback = _BYTE_FALLBACK.fullmatch(piece)
             if fallback is not None:
                 return bytes([int(fallback.group(1), 16)])
+            text = self._tokenizer.decode(self._context + [token_id])
+            if text.startswith(self._context_text):
+                return text[len(self._context_text):].encode("utf-8")
         return self._tokenizer.decode([token_id]).encode("utf-8")
 
 

@@ -53,6 +53,7 @@ class StepHeader:
     decode_width: int
     num_new_slots: int
     num_saves: int
+    num_masks: int
     buffer_bytes: int  # the sender's step-buffer size: the rows are laid out for it
     step_bytes: int  # size of the packed step-buffer rows that follow
     device_ops_bytes: int  # size of the pickled device-op log after them (0: none)
@@ -62,7 +63,8 @@ class StepHeader:
                 device_ops_bytes: int) -> "StepHeader":
         return cls(KIND_STEP, engine, plan.num_decode, plan.num_prefill, plan.num_tokens, plan.max_seqlen_q,
                    plan.num_logprobs, int(plan.all_greedy), int(plan.use_penalties), plan.num_from_prev,
-                   plan.decode_width, plan.num_new_slots, plan.num_saves, buffer_bytes, step_bytes, device_ops_bytes)
+                   plan.decode_width, plan.num_new_slots, plan.num_saves, plan.num_masks, buffer_bytes, step_bytes,
+                   device_ops_bytes)
 
     def plan(self) -> StepPlan:
         """The device-side plan of the step (no requests: a worker never sees them)."""
@@ -70,7 +72,7 @@ class StepHeader:
                         num_tokens=self.num_tokens, max_seqlen_q=self.max_seqlen_q, num_logprobs=self.num_logprobs,
                         all_greedy=bool(self.all_greedy), use_penalties=bool(self.use_penalties),
                         num_from_prev=self.num_from_prev, decode_width=self.decode_width,
-                        num_new_slots=self.num_new_slots, num_saves=self.num_saves)
+                        num_new_slots=self.num_new_slots, num_saves=self.num_saves, num_masks=self.num_masks)
 
 
 _HEADER_BYTES = 8 * len(StepHeader.__dataclass_fields__)
@@ -153,5 +155,5 @@ def follow(group: TensorParallelGroup, targets: dict[int, dict[str, Any]]) -> No
         if header.device_ops_bytes:
             for target, op, args in pickle.loads(message[rows_end:rows_end + header.device_ops_bytes].tobytes()):
                 getattr(targets[header.engine][target], op)(*args)
-        runner.buffer.sync()
+        runner.buffer.sync(plan.num_masks)
         runner.launch(plan)

@@ -17,7 +17,7 @@ from hybrid_engine.server.protocol import (AssistantMessage, ChatChoice, ChatChu
                                            TopLogprob)
 from hybrid_engine.server.reasoning import TAGS as THINK_TAGS
 from hybrid_engine.server.reasoning import ReasoningSplit
-from hybrid_engine.server.tool_calls import TOOL_CALL_PARSERS, ParsedCall, ToolCallSplit
+from hybrid_engine.server.tool_calls import TOOL_CALL_PARSERS, ForcedCallSplit, ParsedCall, ToolCallSplit
 from hybrid_engine.server.serving import EngineInputs, OpenAIServing, logprob_rows, render_off_loop, usage
 from hybrid_engine.tokenizer import special_token_pattern
 
@@ -28,7 +28,7 @@ class ReplySplit:
     of the rest (a tool-call parser), either optional. `feed` takes the reply's pieces."""
 
     reasoning: ReasoningSplit | None
-    calls: ToolCallSplit | None
+    calls: ToolCallSplit | ForcedCallSplit | None
     calls_made: int = 0  # calls out so far (the next one's `index` in a stream)
 
     @property
@@ -47,8 +47,10 @@ class ReplySplit:
 
     def finish_reason(self, finish_reason: str | None) -> str | None:
         """The choice's finish reason: "tool_calls" for a reply that stopped after calling
-        (as OpenAI and vLLM report it)."""
-        return "tool_calls" if finish_reason == "stop" and self.calls_made else finish_reason
+        (as OpenAI and vLLM report it), except a call of the function `tool_choice` named
+        ("stop", as vLLM reports it)."""
+        named = isinstance(self.calls, ForcedCallSplit) and self.calls.name is not None
+        return "tool_calls" if finish_reason == "stop" and self.calls_made and not named else finish_reason
 
 
 class ChatHandler(OpenAIServing[ChatCompletionRequest]):
@@ -78,9 +80,13 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
         return await render_off_loop(lambda: self._response(request, request_id, finals, splits))
 
     def _split(self, request: ChatCompletionRequest) -> ReplySplit:
-        """How one of the request's replies is split (`ReplySplit`)."""
+        """How one of the request's replies is split (`ReplySplit`). A grammar constrains a
+        reply from its first token (structured outputs, forced calls), so such a reply has
+        no reasoning; a forced call's is calls only."""
+        if request.forces_calls:
+            return ReplySplit(None, ForcedCallSplit(request.forced_function))
         reasoning = ReasoningSplit.for_reply(request._reply_prefix, request.include_reasoning) \
-            if self.reasoning_parser else None
+            if self.reasoning_parser and not request.constrains_output else None
         calls = ToolCallSplit(self.tool_call_format, request.template_tools() or []) \
             if self.tool_call_format and request.calls_tools else None
         return ReplySplit(reasoning, calls)

@@ -17,6 +17,7 @@ from pydantic_core import PydanticCustomError
 
 from hybrid_engine.sampling_params import MAX_STOP_STRINGS, RANGES, check_unicode, is_int
 from hybrid_engine.server.errors import clipped
+from hybrid_engine.server.tool_calls import forced_call_schema
 
 # The most choices per prompt (`n`) a request may ask for: OpenAI's limit.
 MAX_CHOICES = 128
@@ -75,6 +76,39 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(StrictModel):
+    """`response_format.json_schema` (OpenAI's): a named JSON schema the reply must follow.
+    `strict` is accepted either way: the reply always follows the schema exactly."""
+
+    name: UnicodeStr
+    description: UnicodeStr | None = None
+    schema_: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    """`response_format`: plain text (the default), any JSON object (`json_object`), or a
+    JSON value following a schema (`json_schema`); the last two are structured outputs."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError("invalid_value", "response_format.json_schema is required with type "
+                                      "'json_schema', and only then")
+        return self
+
+    def structured_outputs(self) -> dict[str, Any] | None:
+        """What it asks of the output, as `StructuredOutputsParams` fields (None: text)."""
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            return {"json": self.json_schema.schema_}
+        return None
+
+
 class SamplingRequest(StrictModel):
     """Fields both endpoints share: model, streaming, and the sampling parameters.
 
@@ -102,6 +136,10 @@ class SamplingRequest(StrictModel):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    # vLLM's: {"json": schema} | {"regex": ...} | {"choice": [...]} | {"json_object": true}, and
+    # "disable_any_whitespace" (`StructuredOutputsParams` checks it, naming the field).
+    structured_outputs: dict[str, Any] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -118,11 +156,32 @@ class SamplingRequest(StrictModel):
         return only_neutral("logit_bias", value, {})
 
     @model_validator(mode="after")
+    def _one_constraint(self) -> "SamplingRequest":
+        if self.structured_outputs is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise PydanticCustomError("invalid_value", "set response_format or structured_outputs, not both",
+                                      {"param": "structured_outputs"})
+        return self
+
+    @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingRequest":
         if self.stream_options is not None and not self.stream:
             raise PydanticCustomError("invalid_value", "stream_options can only be set when stream is true",
                                       {"param": "stream_options"})
         return self
+
+    @property
+    def constrains_output(self) -> bool:
+        """Whether a grammar constrains the whole output (`response_format` other than
+        text, or `structured_outputs`)."""
+        return self.structured_outputs is not None or (self.response_format is not None
+                                                       and self.response_format.type != "text")
+
+    @property
+    def grammar_field(self) -> str | None:
+        """The field a grammar error names when the grammar did not come from
+        `structured_outputs` (whose errors name its own keys)."""
+        return "response_format.json_schema" if self.structured_outputs is None and self.constrains_output else None
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -139,6 +198,8 @@ class SamplingRequest(StrictModel):
             stop_token_ids=self.stop_token_ids or None, ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.structured_outputs if self.response_format is None
+            else self.response_format.structured_outputs() or self.structured_outputs,
         )
 
 
@@ -289,15 +350,6 @@ class ChatMessage(StrictModel):
         return out
 
 
-class ResponseFormat(StrictModel):
-    """`response_format`: only plain text (structured output is not implemented)."""
-
-    type: str
-
-    @field_validator("type")
-    @classmethod
-    def _text_only(cls, value: str) -> str:
-        return only_neutral("response_format.type", value, "text")
 
 
 class FunctionDefinition(StrictModel):
@@ -353,13 +405,12 @@ class ChatCompletionRequest(SamplingRequest, TemplateOptions):
     include_reasoning: bool = True
     logprobs: bool = False
     top_logprobs: int | None = ranged(None, "logprobs")
-    response_format: ResponseFormat | None = None
     store: bool = False
     metadata: dict[str, str] = Field(default_factory=dict)
     # OpenAI's: with `tools`, "auto" (the default then) lets the model call them (calls are
-    # parsed out of the reply with --enable-auto-tool-choice); "none" only shows them to it.
-    # Forcing a call ("required", or a named function) needs structured outputs: not
-    # implemented. `parallel_tool_calls` is accepted and not enforced (as vLLM's parsers).
+    # parsed out of the reply with --enable-auto-tool-choice); "none" only shows them to it;
+    # "required" or {"type": "function", "function": {"name": ...}} forces calls (structured
+    # outputs: `forced_call_schema`). `parallel_tool_calls` is accepted and not enforced.
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     # Set when the prompt is rendered, not by clients: the text the reply continues
@@ -373,14 +424,55 @@ class ChatCompletionRequest(SamplingRequest, TemplateOptions):
 
     @field_validator("tool_choice", mode="before")
     @classmethod
-    def _no_forced_call(cls, value: Any) -> Any:
-        if value is None or value in ("none", "auto"):
+    def _known_choice(cls, value: Any) -> Any:
+        if value is None or value in ("none", "auto", "required"):
             return value
-        if value == "required" or isinstance(value, dict) and value.get("type") == "function":
-            raise PydanticCustomError("not_implemented", f"tool_choice={clipped(repr(value))} is not implemented "
-                                      "(a forced call needs structured outputs); use 'auto' or 'none'")
+        function = value.get("function") if isinstance(value, dict) else None
+        if (isinstance(value, dict) and set(value) == {"type", "function"} and value["type"] == "function"
+                and isinstance(function, dict) and set(function) == {"name"} and isinstance(function["name"], str)):
+            return value
         raise PydanticCustomError("invalid_value", "tool_choice must be 'none', 'auto', 'required' or "
                                   "{'type': 'function', 'function': {'name': ...}}")
+
+    @model_validator(mode="after")
+    def _forced_calls_of_given_tools(self) -> "ChatCompletionRequest":
+        if not self.forces_calls:
+            return self
+        names = [tool.function.name for tool in self.tools]
+        if not names:
+            raise PydanticCustomError("invalid_value", "tool_choice forces a call but no tools are given",
+                                      {"param": "tool_choice"})
+        if self.forced_function is not None and self.forced_function not in names:
+            raise PydanticCustomError("invalid_value", f"tool_choice names function "
+                                      f"{clipped(repr(self.forced_function))}, which is not among the tools",
+                                      {"param": "tool_choice"})
+        if self.constrains_output:
+            raise PydanticCustomError("invalid_value", "a forced tool call is structured output itself: set "
+                                      "tool_choice or response_format / structured_outputs, not both",
+                                      {"param": "tool_choice"})
+        return self
+
+    @property
+    def grammar_field(self) -> str | None:
+        """As `SamplingRequest.grammar_field`; a forced call's grammar is `tool_choice`'s."""
+        return "tool_choice" if self.forces_calls else super().grammar_field
+
+    @property
+    def forces_calls(self) -> bool:
+        """Whether `tool_choice` forces the reply to be calls ("required" or a named function)."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, dict)
+
+    @property
+    def forced_function(self) -> str | None:
+        """The function a named `tool_choice` forces (None otherwise)."""
+        return self.tool_choice["function"]["name"] if isinstance(self.tool_choice, dict) else None
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """As `SamplingRequest.sampling_kwargs`; a forced call's schema as the grammar."""
+        kwargs = super().sampling_kwargs()
+        if self.forces_calls:
+            kwargs["structured_outputs"] = {"json": forced_call_schema(self.template_tools(), self.forced_function)}
+        return kwargs
 
     def template_variables(self) -> dict[str, Any]:
         """`chat_template_kwargs`, with `reasoning_effort` where given and not set there."""

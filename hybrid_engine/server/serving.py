@@ -31,13 +31,14 @@ from hybrid_engine.detokenizer import REPLACEMENT_CHAR
 from hybrid_engine.prompts import check_max_tokens, check_params, check_prompt, encode_prompt
 from hybrid_engine.request import RequestOutput
 from hybrid_engine.sampling import derive_seed
-from hybrid_engine.sampling_params import SamplingParams
+from hybrid_engine.sampling_params import ParameterError, SamplingParams, StructuredOutputsParams
 from hybrid_engine.server.async_llm import AsyncLLM, EngineUnavailable, Generation, RequestFailed
 from hybrid_engine.server.bodies import validated
 from hybrid_engine.server.engine_core import QueueFull
 from hybrid_engine.server.errors import RATE_LIMIT, SERVER_ERROR, APIError, clipped, invalid_input
 from hybrid_engine.server.protocol import (ChatCompletionResponse, CompletionResponse, PromptTokensDetails,
                                            SamplingRequest, UsageInfo)
+from hybrid_engine.structured.grammar import check_grammar
 from hybrid_engine.tokenizer import TokenBytes
 
 logger = logging.getLogger(__name__)
@@ -297,6 +298,8 @@ class OpenAIServing(Generic[Body]):
                 max_tokens = room if unset_max_tokens is None else min(unset_max_tokens, room)
             params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **request.sampling_kwargs())
             check_params(params, limits, self.info.tokenizer)
+            if params.structured_outputs is not None:
+                check_structured_outputs(request, params.structured_outputs)
         except ValueError as exc:
             raise invalid_input(exc) from exc
         return params
@@ -384,3 +387,15 @@ class OpenAIServing(Generic[Body]):
 
         return StreamingResponse(body(), media_type="text/event-stream",
                                  background=BackgroundTask(generation.close))
+
+
+def check_structured_outputs(request: SamplingRequest, params: StructuredOutputsParams) -> None:
+    """A request's grammar compiles (`check_grammar`), else a ParameterError naming the field
+    the client sent it in (`SamplingRequest.grammar_field`)."""
+    try:
+        check_grammar(params)
+    except ParameterError as error:
+        param = request.grammar_field
+        if param is None:
+            raise
+        raise ParameterError(param, str(error).replace(error.param, param, 1)) from None

@@ -124,6 +124,50 @@ class ToolCallSplit:
         return stripped
 
 
+@dataclasses.dataclass
+class ForcedCallSplit:
+    """A reply that `tool_choice` forced into calls (structured outputs, as vLLM forces
+    them): for a named function the reply is its arguments, a JSON object; for "required"
+    it is a JSON list of `{"name": ..., "parameters": {...}}` (`forced_call_schema`). The
+    reply is held until it ends, then read whole: its calls, no content. A reply cut short
+    (max_tokens) that does not parse is content, as written."""
+
+    name: str | None  # the named function; None for "required"
+    text: str = ""
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[ParsedCall]]:
+        """As `ToolCallSplit.feed`: nothing until the reply's last piece."""
+        self.text += text
+        if not final:
+            return "", []
+        try:
+            value = json.loads(self.text, parse_constant=_no_constant)
+        except (ValueError, RecursionError):
+            return self.text, []
+        if self.name is not None:  # (the arguments as the model wrote them, as vLLM keeps them)
+            calls = [ParsedCall(_call_id(), self.name, self.text)] if isinstance(value, dict) else []
+        else:
+            calls = [_call(item["name"], item.get("parameters", {})) for item in value
+                     if isinstance(item, dict) and isinstance(item.get("name"), str)] \
+                if isinstance(value, list) else []
+            calls = [call for call in calls if call is not None]
+        return ("", calls) if calls else (self.text, [])
+
+
+def forced_call_schema(tools: list[dict[str, Any]], name: str | None) -> dict[str, Any]:
+    """The JSON schema a forced reply follows (`ForcedCallSplit`): the named function's
+    parameters, or for "required" a non-empty list of calls of any of `tools` (vLLM's
+    shape). A function without parameters takes any object."""
+    def parameters(tool: dict[str, Any]) -> dict[str, Any]:
+        return tool["function"].get("parameters") or {"type": "object"}
+
+    if name is not None:
+        return parameters(next(tool for tool in tools if tool["function"]["name"] == name))
+    return {"type": "array", "minItems": 1, "items": {"anyOf": [
+        {"type": "object", "properties": {"name": {"enum": [tool["function"]["name"]]}, "parameters": parameters(tool)},
+         "required": ["name", "parameters"]} for tool in tools]}}
+
+
 def _calls(block: str, body: str) -> list[ParsedCall]:
     """The calls a JSON block's text holds, as vLLM's parsers read them (module docstring)."""
     try:
@@ -149,7 +193,11 @@ def _call(name: str, arguments: Any) -> ParsedCall | None:
             return None
     if not isinstance(arguments, str):
         return None
-    return ParsedCall(f"call_{uuid.uuid4().hex[:24]}", name, arguments)
+    return ParsedCall(_call_id(), name, arguments)
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def _no_constant(name: str) -> None:

@@ -109,9 +109,15 @@ WX = {"type": "function", "function": {"name": "wx", "description": "the weather
 @pytest.mark.parametrize("fields, param, code", [
     ({"tools": [WX]}, "tool_choice", None),  # "auto" by default: needs --enable-auto-tool-choice (vLLM's 400)
     ({"tools": [WX], "tool_choice": "auto"}, "tool_choice", None),
-    ({"tools": [WX], "tool_choice": "required"}, "tool_choice", "not_implemented"),  # forcing needs structured outputs
-    ({"tools": [WX], "tool_choice": {"type": "function", "function": {"name": "wx"}}}, "tool_choice",
-     "not_implemented"),
+    ({"tool_choice": "required"}, "tool_choice", "invalid_value"),  # forcing a call of no tool
+    ({"tools": [WX], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "invalid_value"),
+    ({"tools": [WX], "tool_choice": {"type": "function", "function": {"name": "wx", "x": 1}}}, "tool_choice",
+     "invalid_value"),
+    ({"tools": [WX], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "invalid_value"),
+    ({"tools": [{**WX, "function": {"name": "wx", "parameters": {"type": "object", "not": {}}}}],
+      "tool_choice": "required"}, "tool_choice", "invalid_value"),  # (a schema the compiler does not take)
     ({"tools": [{"type": "retrieval"}]}, "tools.0.type", None),
     ({"tools": [{**WX, "function": {"name": "x<|im_end|>"}}], "tool_choice": "none"}, "tools.0.function.name", None),
 ])

@@ -1,0 +1,118 @@
+"""Structured outputs over HTTP (docs/structured_outputs.md): OpenAI's `response_format`
+(json_object, json_schema), vLLM's `structured_outputs` on both endpoints, and forced tool
+calls (`tool_choice` "required" or a named function), on the embedded model. Its random
+weights make the texts arbitrary; the grammar makes them valid, which is what is checked."""
+import json
+import re
+
+from typing import Iterator
+
+import httpx
+import pytest
+
+from hybrid_engine.config import EngineConfig
+from hybrid_engine.engine import LLMEngine
+from tests.server.conftest import Server, serve_in_thread
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+USER = [{"role": "user", "content": "Give me JSON."}]
+COLOR = {"type": "object", "properties": {"color": {"enum": ["red", "green"]},
+                                          "n": {"type": "integer", "minimum": -3, "maximum": 40}},
+         "required": ["color", "n"]}
+WX = {"type": "function", "function": {"name": "wx", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer",
+                                                                                       "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"]}}}
+TIME = {"type": "function", "function": {"name": "time", "parameters": {"type": "object", "properties": {
+    "zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+COMPACT = {"disable_any_whitespace": True}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    """The embedded model with room for JSON a random model pads with white space (16
+    characters at most between tokens)."""
+    with serve_in_thread(lambda: LLMEngine(EngineConfig(device="cpu", dtype="float32", max_model_len=1024))) as s:
+        yield s
+
+
+def _post(server: Server, path: str, **body) -> dict:
+    r = httpx.post(f"{server.url}{path}", json={"max_tokens": 400, "temperature": 0.0, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _stream_text(server: Server, path: str, **body) -> tuple[str, list[dict]]:
+    """The streamed text (content or text deltas) and the chunks."""
+    chunks = []
+    with httpx.stream("POST", f"{server.url}{path}", json={"max_tokens": 400, "temperature": 0.0, "stream": True,
+                                                            **body}, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    texts = [c["choices"][0].get("text") or (c["choices"][0].get("delta") or {}).get("content") or ""
+             for c in chunks if c["choices"]]
+    return "".join(texts), chunks
+
+
+def test_json_schema_response_format(server: Server):
+    body = _post(server, CHAT, messages=USER, response_format={
+        "type": "json_schema", "json_schema": {"name": "color", "schema": COLOR, "strict": True}})
+    choice = body["choices"][0]
+    value = json.loads(choice["message"]["content"])
+    assert value["color"] in ("red", "green") and -3 <= value["n"] <= 40 and set(value) == {"color", "n"}
+    assert choice["finish_reason"] == "stop"
+
+
+def test_json_object_response_format_streams_the_same_text(server: Server):
+    fields = dict(messages=USER, response_format={"type": "json_object"}, seed=3, temperature=1.0)
+    whole = _post(server, CHAT, **fields)["choices"][0]
+    streamed, _ = _stream_text(server, CHAT, **fields)
+    assert streamed == whole["message"]["content"]
+    if whole["finish_reason"] == "stop":  # (else max_tokens cut it: a prefix of an object)
+        assert isinstance(json.loads(streamed), dict)
+    else:
+        assert streamed.startswith("{")
+
+
+@pytest.mark.parametrize("structured, check", [
+    ({"choice": ["yes", "no", "a.b|c"]}, lambda text: text in ("yes", "no", "a.b|c")),
+    ({"regex": r"[a-f]{3}-\d{2}"}, lambda text: re.fullmatch(r"[a-f]{3}-\d{2}", text)),
+    ({"json": COLOR, **COMPACT}, lambda text: json.loads(text)["color"] in ("red", "green")),
+    ({"json": json.dumps(COLOR), **COMPACT}, lambda text: set(json.loads(text)) == {"color", "n"}),
+    ({"json_object": True, **COMPACT}, lambda text: isinstance(json.loads(text), dict)),
+])
+def test_structured_outputs_on_completions(server: Server, structured: dict, check):
+    body = _post(server, COMPLETIONS, prompt="Answer: ", structured_outputs=structured, n=2, temperature=1.0,
+                 seed=5)
+    for choice in body["choices"]:
+        assert choice["finish_reason"] == "stop" and check(choice["text"]), choice
+
+
+def test_named_tool_choice_is_a_call_of_that_function(server: Server):
+    choice = _post(server, CHAT, messages=USER, tools=[WX, TIME], tool_choice={"type": "function",
+                                                                               "function": {"name": "wx"}},
+                   structured_outputs=None)["choices"][0]
+    message = choice["message"]
+    assert message["content"] is None and len(message["tool_calls"]) == 1, message
+    call = message["tool_calls"][0]
+    arguments = json.loads(call["function"]["arguments"])
+    assert call["function"]["name"] == "wx" and set(arguments) == {"city", "days"} and 1 <= arguments["days"] <= 7
+    assert choice["finish_reason"] == "stop"  # (vLLM's: a call the request named)
+
+
+def test_required_tool_choice_calls_some_tools(server: Server):
+    choice = _post(server, CHAT, messages=USER, tools=[WX, TIME], tool_choice="required", temperature=1.0,
+                   seed=11)["choices"][0]
+    calls = choice["message"]["tool_calls"]
+    assert calls and choice["finish_reason"] == "tool_calls", choice
+    for call in calls:
+        arguments = json.loads(call["function"]["arguments"])
+        assert (call["function"]["name"], sorted(arguments)) in (("wx", ["city", "days"]), ("time", ["zone"]))
+    _, chunks = _stream_text(server, CHAT, messages=USER, tools=[WX, TIME], tool_choice="required",
+                             temperature=1.0, seed=11)
+    streamed = [c for chunk in chunks for choice in chunk["choices"]
+                for c in (choice.get("delta") or {}).get("tool_calls") or []]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in streamed] == \
+        [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
