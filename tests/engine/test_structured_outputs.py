@@ -203,3 +203,20 @@ def test_cuda_graphs_with_masks_match_hf(oracle):
         assert run.finals[f"r{i}"].output_token_ids == want, i
     graphs = engine.runner.graphs
     assert graphs is not None and graphs.forward_replays[1] > 0 and graphs.replays[1] > graphs.forward_replays[1]
+
+
+def test_two_ranks_send_the_masks_to_the_worker(oracle):
+    """Tensor parallelism (2 gloo processes, launch-ahead with rejections): the masks travel
+    with the step's rows, so the worker samples what the driver samples (a worker that
+    sampled unmasked would feed other tokens to the next step's forward) == HF."""
+    checkpoint, prompts, expected = oracle
+    llm = LLM(model=checkpoint, device="cpu", dtype="float32", seed=0, kv_block_size=4, tensor_parallel_size=2,
+              inject_rejection_rate=0.3)
+    try:
+        run = drive(llm.engine, [(0, f"r{i}", prompt, _params(structured, max_tokens))
+                                 for i, (prompt, (_, structured, max_tokens)) in enumerate(zip(prompts, REQUESTS))])
+        for i, want in enumerate(expected):
+            assert run.finals[f"r{i}"].output_token_ids == want, i
+        assert llm.engine.stats()["rejected_launches"] > 0
+    finally:
+        llm.shutdown()
