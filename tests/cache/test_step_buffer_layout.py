@@ -77,10 +77,28 @@ def test_round_trip_every_field():
         _fill_random(host, gen)
         expected = {n: v.clone() for n, v in host.items()}
         before = buf.num_syncs
-        buf.sync()
+        buf.sync(mask_rows=S)
         assert buf.num_syncs == before + 1
         for name, value in expected.items():
             assert torch.equal(buf.device[name].cpu(), value), (step, name)
+
+
+@pytest.mark.parametrize("mask_rows", [0, 2])
+def test_a_sync_copies_only_the_mask_rows_the_step_uses(mask_rows):
+    """`grammar_masks` is the layout's last field, so one copy ends after the step's mask
+    rows: every other field arrives whole, mask rows past them keep the device's bytes."""
+    buf = StepBuffer(T, S, MB, 2 * S, torch.device("cpu"), mask_bytes=3)
+    assert max(buf.host, key=lambda n: buf.host[n].data_ptr()) == "grammar_masks"
+    _fill_random(buf.host, torch.Generator().manual_seed(3))
+    expected = {n: v.clone() for n, v in buf.host.items()}
+    buf.device["grammar_masks"].fill_(7)
+    buf.sync(mask_rows)
+    for name, value in expected.items():
+        if name != "grammar_masks":
+            assert torch.equal(buf.device[name], value), name
+    masks = buf.device["grammar_masks"]
+    assert torch.equal(masks[:mask_rows], expected["grammar_masks"][:mask_rows])
+    assert bool((masks[mask_rows:] == 7).all())
 
 
 def test_fields_do_not_clobber_each_other():
@@ -103,7 +121,7 @@ def test_cuda_host_buffer_is_pinned_and_mirrors():
     assert buf.device["input_ids"].is_cuda
     _fill_random(buf.host, torch.Generator().manual_seed(2))
     expected = {n: v.clone() for n, v in buf.host.items()}
-    buf.sync()
+    buf.sync(mask_rows=S)
     torch.cuda.synchronize()
     for name, value in expected.items():
         assert torch.equal(buf.device[name].cpu(), value), name
@@ -116,7 +134,8 @@ ROWS_READ = {
     **dict.fromkeys(["mamba_src", "mamba_dst", "input_from_prev", "logits_indices", "seeds", "output_pos",
                      "history_rows", "prompt_lens", "history_lens", "num_drafts", "seq_lens", "block_tables", "top_k",
                      "dt_limit_hits", "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty"], "seqs"),
+                     "frequency_penalty", "grammar_rows"], "seqs"),
+    "grammar_masks": "masks",
     **dict.fromkeys(["cu_seqlens_q", "prefill_cu_seqlens", "save_cu"], "seqs + 1"),
     "new_state_slots": "new_slots", "save_slots": "saves", "save_offsets": "saves", "verify_dst": "width x seqs",
 }
@@ -130,14 +149,14 @@ def _rows(name: str, extent: StepExtent) -> tuple[slice, ...]:
 
 
 @pytest.mark.parametrize("extent", [StepExtent(tokens=3, seqs=3, width=1, new_slots=0, saves=0),
-                                    StepExtent(tokens=T, seqs=S, width=3, new_slots=2 * S, saves=4),
-                                    StepExtent(tokens=9, seqs=2, width=2, new_slots=1, saves=1)])
+                                    StepExtent(tokens=T, seqs=S, width=3, new_slots=2 * S, saves=4, masks=S),
+                                    StepExtent(tokens=9, seqs=2, width=2, new_slots=1, saves=1, masks=1)])
 def test_pack_carries_every_row_a_step_reads_and_nothing_else(extent):
     """What tensor parallelism sends (`pack`) and a worker writes into its own buffer
     (`unpack`): each field's leading rows of the extent, equal to the sender's; every byte
     outside them keeps the receiver's own (stale) value."""
-    sender = StepBuffer(T, S, MB, 2 * S, torch.device("cpu"), max_width=3, max_saves=4)
-    receiver = StepBuffer(T, S, MB, 2 * S, torch.device("cpu"), max_width=3, max_saves=4)
+    sender = StepBuffer(T, S, MB, 2 * S, torch.device("cpu"), max_width=3, max_saves=4, mask_bytes=3)
+    receiver = StepBuffer(T, S, MB, 2 * S, torch.device("cpu"), max_width=3, max_saves=4, mask_bytes=3)
     assert set(sender.host) == set(ROWS_READ)
     gen = torch.Generator().manual_seed(0)
     for name, view in sender.host.items():
