@@ -52,7 +52,7 @@ from hybrid_engine.scheduler import RetiredStep, Scheduler, SchedulerOutput
 from hybrid_engine.spec.draft_model import DRAFT_CHECKPOINTS_PER_SEQ, DraftModel, draft_engine_config
 from hybrid_engine.spec.drafter import Drafter
 from hybrid_engine.step import StepHandle, StepSamples
-from hybrid_engine.structured.grammar import GrammarCompiler
+from hybrid_engine.structured.grammar import GrammarCompiler, GrammarState
 from hybrid_engine.structured.vocabulary import TokenVocabulary
 from hybrid_engine.tokenizer import build_byte_tokenizer, load_tokenizer
 from layers.kernels import select_ops
@@ -459,10 +459,16 @@ class LLMEngine:
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         seed = derived_seed if params.seed is None else params.seed
         text = prompt if isinstance(prompt, str) else None
-        grammar = None
-        if params.structured_outputs is not None:
-            grammar = self._grammar_compiler().start(params.structured_outputs, eos)
-        return Request(request_id, text, ids, params, seed, eos, detok, grammar=grammar)
+        return Request(request_id, text, ids, params, seed, eos, detok, grammar=self.start_grammar(params))
+
+    def start_grammar(self, params: SamplingParams) -> GrammarState | None:
+        """A request's place in its grammar before its first token (structured outputs;
+        None without). ParameterError naming the field where the grammar cannot be compiled
+        or started on this model's vocabulary (the server checks this at admission)."""
+        if params.structured_outputs is None:
+            return None
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        return self._grammar_compiler().start(params.structured_outputs, eos)
 
     def _grammar_compiler(self) -> GrammarCompiler:
         """The compiler of structured-output grammars over this model's vocabulary, made at

@@ -106,8 +106,8 @@ class StructuredOutputsParams:
 
     def __post_init__(self) -> None:
         field = "structured_outputs"
-        kinds = [name for name in ("json", "regex", "choice", "json_object")
-                 if getattr(self, name) not in (None, False)]
+        kinds = [name for name in ("json", "regex", "choice") if getattr(self, name) is not None]
+        kinds += ["json_object"] if self.json_object is True else []
         if len(kinds) != 1:
             raise ParameterError(field, f"{field}: set exactly one of json, regex, choice, json_object "
                                         f"(got {', '.join(kinds) or 'none'})")
@@ -133,6 +133,13 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ParameterError(f"{field}.{name}", f"{field}.{name} must be a bool, got {value!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which grammar is set: "json", "regex", "choice" or "json_object"."""
+        if self.json_object is True:
+            return "json_object"
+        return next(name for name in ("json", "regex", "choice") if getattr(self, name) is not None)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "StructuredOutputsParams":

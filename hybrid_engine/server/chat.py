@@ -82,13 +82,13 @@ class ChatHandler(OpenAIServing[ChatCompletionRequest]):
     def _split(self, request: ChatCompletionRequest) -> ReplySplit:
         """How one of the request's replies is split (`ReplySplit`). A grammar constrains a
         reply from its first token (structured outputs, forced calls), so such a reply has
-        no reasoning; a forced call's is calls only."""
+        no reasoning and no calls to parse out; a forced call's is calls only."""
         if request.forces_calls:
             return ReplySplit(None, ForcedCallSplit(request.forced_function))
         reasoning = ReasoningSplit.for_reply(request._reply_prefix, request.include_reasoning) \
             if self.reasoning_parser and not request.constrains_output else None
         calls = ToolCallSplit(self.tool_call_format, request.template_tools() or []) \
-            if self.tool_call_format and request.calls_tools else None
+            if self.tool_call_format and request.calls_tools and not request.constrains_output else None
         return ReplySplit(reasoning, calls)
 
     def engine_inputs(self, request: ChatCompletionRequest) -> EngineInputs:

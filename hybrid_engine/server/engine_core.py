@@ -319,6 +319,7 @@ class EngineCore:
         try:  # the engine's own checks now, so that a prompt handed over later cannot be refused
             for prompt, params in command.requests:
                 validate_request(prompt, params, self.engine.limits, self.engine.tokenizer)
+                self.engine.start_grammar(params)  # (compiled and cached for when it reaches the engine)
         except Exception as exc:
             if not isinstance(exc, ValueError):
                 logger.exception("validating %s failed", command.request_ids)

@@ -77,12 +77,13 @@ class StreamOptions(StrictModel):
 
 
 class JsonSchemaFormat(StrictModel):
-    """`response_format.json_schema` (OpenAI's): a named JSON schema the reply must follow.
-    `strict` is accepted either way: the reply always follows the schema exactly."""
+    """`response_format.json_schema` (OpenAI's): a named JSON schema the reply must follow
+    (without `schema`, any JSON object). `strict` is accepted either way: the reply always
+    follows the schema exactly."""
 
     name: UnicodeStr
     description: UnicodeStr | None = None
-    schema_: dict[str, Any] | bool = Field(alias="schema")
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
@@ -105,7 +106,8 @@ class ResponseFormat(StrictModel):
         if self.type == "json_object":
             return {"json_object": True}
         if self.type == "json_schema":
-            return {"json": self.json_schema.schema_}
+            schema = self.json_schema.schema_
+            return {"json_object": True} if schema is None else {"json": schema}
         return None
 
 

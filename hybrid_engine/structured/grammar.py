@@ -18,14 +18,17 @@ from collections import OrderedDict
 import numpy as np
 
 from hybrid_engine.sampling_params import ParameterError, StructuredOutputsParams
-from hybrid_engine.structured.automaton import DEAD, ByteAutomaton
+from hybrid_engine.structured.automaton import DEAD, ByteAutomaton, GrammarTooLarge
 from hybrid_engine.structured.json_any import JsonAutomaton
 from hybrid_engine.structured.json_schema import json_schema_regex
 from hybrid_engine.structured.regex import compile_regex
 from hybrid_engine.structured.vocabulary import TokenVocabulary
 
-MAX_GRAMMARS = 64  # distinct grammars kept compiled (with their states and masks)
-MAX_MASKS_PER_GRAMMAR = 4096  # cached masks of one grammar's states (each vocab_size / 8 bytes)
+# Distinct grammars kept compiled, and the masks each keeps (vocab_size / 8 bytes each). A
+# grammar's transition table holds at most `MAX_STATES` rows of 1 KiB, so the worst case
+# is ~100 MiB per grammar at a 128k vocabulary; typical schemas reach a few hundred states.
+MAX_GRAMMARS = 16
+MAX_MASKS_PER_GRAMMAR = 2048
 _REGEX_SPECIAL = set("\\.^$*+?{}[]()|-/")
 
 
@@ -41,6 +44,9 @@ class CompiledGrammar:
     def __init__(self, automaton: ByteAutomaton, vocabulary: TokenVocabulary):
         self.automaton, self.vocabulary = automaton, vocabulary
         self._masks: OrderedDict[int, np.ndarray] = OrderedDict()
+        # Set once the automaton ran out of states: the compiler then starts new requests on
+        # a fresh copy (the requests that reached the limit have failed; others go on).
+        self.exhausted = False
 
     def mask(self, state: int) -> np.ndarray:
         """The tokens (EOS aside) that keep the output alive from `state`, packed."""
@@ -49,7 +55,11 @@ class CompiledGrammar:
             self._masks.move_to_end(state)
             return mask
         vocab = self.vocabulary
-        ends = self.automaton.walk_tokens(state, vocab.token_bytes, vocab.lengths)
+        try:
+            ends = self.automaton.walk_tokens(state, vocab.token_bytes, vocab.lengths)
+        except GrammarTooLarge:
+            self.exhausted = True
+            raise
         allowed = np.zeros(vocab.mask_bytes * 8, dtype=bool)
         allowed[vocab.token_ids[ends != DEAD]] = True
         mask = np.packbits(allowed, bitorder="little")
@@ -66,8 +76,6 @@ class GrammarState:
         self.grammar = grammar
         self.state = grammar.automaton.start
         self._eos = sorted(t for t in eos_token_ids if t < grammar.vocabulary.vocab_size)
-        if self.terminated:  # (a request samples at least one token)
-            raise ValueError("the grammar accepts only the empty output")
         self._check_continuable()
 
     @property
@@ -99,9 +107,11 @@ class GrammarState:
         self._check_continuable()
 
     def _check_continuable(self) -> None:
-        if self.terminated or (self._eos and self.accepting):
-            return
-        if not self.grammar.mask(self.state).any():
+        # The mask is made here, in the scheduler's handling of this one request, and never
+        # first in the runner: making it can grow the automaton past its limit, which must
+        # fail this request alone, not the step.
+        mask = self.grammar.mask(self.state)
+        if not (self.terminated or (self._eos and self.accepting) or mask.any()):
             raise ValueError("structured output: no token of the vocabulary can continue the grammar here")
 
 
@@ -112,13 +122,10 @@ def check_grammar(params: StructuredOutputsParams) -> None:
     """Raise ParameterError naming the field if `params`' grammar cannot be compiled (an
     unsupported schema keyword, a malformed regex); no vocabulary needed. For a front end
     that answers such errors before handing the request on (the HTTP server)."""
-    key, field = _key(params)
+    key, _ = _key(params)
     if key in _CHECKED:
         return
-    try:
-        _automaton(params)
-    except ValueError as error:
-        raise ParameterError(field, f"{field}: {error}") from None
+    _compile(params)
     _CHECKED[key] = None
     if len(_CHECKED) > MAX_GRAMMARS:
         _CHECKED.popitem(last=False)
@@ -138,11 +145,8 @@ class GrammarCompiler:
         vocabulary can start."""
         key, field = _key(params)
         grammar = self._grammars.get(key)
-        if grammar is None:
-            try:
-                grammar = CompiledGrammar(_automaton(params), self.vocabulary)
-            except ValueError as error:
-                raise ParameterError(field, f"{field}: {error}") from None
+        if grammar is None or grammar.exhausted:
+            grammar = CompiledGrammar(_compile(params), self.vocabulary)
             self._grammars[key] = grammar
             if len(self._grammars) > MAX_GRAMMARS:
                 self._grammars.popitem(last=False)
@@ -156,11 +160,23 @@ class GrammarCompiler:
 
 def _key(params: StructuredOutputsParams) -> tuple[str, str]:
     """(cache key, the field a compile error names) of a request's grammar."""
-    field = "structured_outputs." + next(n for n in ("json", "regex", "choice", "json_object")
-                                         if getattr(params, n) not in (None, False))
-    value = getattr(params, field.rsplit(".", 1)[1])
+    field = f"structured_outputs.{params.kind}"
     # (Not sorted: the order of a schema's properties is the order its output follows.)
-    return json.dumps([field, value, params.disable_any_whitespace]), field
+    return json.dumps([field, getattr(params, params.kind), params.disable_any_whitespace]), field
+
+
+def _compile(params: StructuredOutputsParams) -> ByteAutomaton:
+    """The grammar's automaton; ParameterError naming the field if it cannot be compiled or
+    accepts only the empty output (a request samples at least one token)."""
+    field = f"structured_outputs.{params.kind}"
+    try:
+        automaton = _automaton(params)
+    except ValueError as error:
+        raise ParameterError(field, f"{field}: {error}") from None
+    start = automaton.start
+    if automaton.is_accepting(start) and not automaton.can_continue(start):
+        raise ParameterError(field, f"{field}: the grammar accepts only the empty output")
+    return automaton
 
 
 def _automaton(params: StructuredOutputsParams) -> ByteAutomaton:

@@ -21,7 +21,8 @@ from hybrid_engine.sampling_params import ParameterError, StructuredOutputsParam
 from hybrid_engine.structured.grammar import GrammarCompiler
 from hybrid_engine.structured.vocabulary import TokenVocabulary
 from hybrid_engine.tokenizer import EOS_ID, build_byte_tokenizer
-from tests.engine.engine_helpers import drive
+from hybrid_engine.structured import automaton
+from tests.engine.engine_helpers import assert_drained, drive
 from tests.models.conftest import NEMOTRON_MOE_SHARP, make_hf_checkpoint, skip_unless_hf_oracle
 
 VOCAB = 272
@@ -180,6 +181,23 @@ def test_bad_grammars_are_refused_naming_the_field(oracle):
             engine.add_request("bad", prompts[0], _params(structured, 5))
         assert caught.value.param == field, (structured, caught.value.param)
     assert not engine.has_unfinished_requests()
+
+
+def test_a_grammar_out_of_states_fails_its_request_alone(oracle, monkeypatch):
+    """The automaton's state limit reached mid-generation ends that request with "error";
+    the requests beside it run to their length, and every resource comes back."""
+    checkpoint, prompts, _ = oracle
+    engine = LLM(model=checkpoint, device="cpu", dtype="float32", seed=0).engine
+    start = engine.start_grammar(_params({"regex": "[a-z]{0,50}"}, 1))
+    monkeypatch.setattr(automaton, "MAX_STATES", start.grammar.automaton._num_states + 5)
+    arrivals = [(0, "c", prompts[0], _params({"regex": "[a-z]{0,50}"}, 40))]
+    arrivals += [(0, f"f{k}", prompts[2], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+                 for k in range(3)]
+    finals = drive(engine, arrivals).finals
+    assert finals["c"].finish_reason == "error" and "automaton states" in finals["c"].error
+    assert all(finals[f"f{k}"].finish_reason == "length" and len(finals[f"f{k}"].output_token_ids) == 20
+               for k in range(3))
+    assert_drained(engine)
 
 
 def test_a_model_without_tokenizer_refuses_structured_outputs(tmp_path):

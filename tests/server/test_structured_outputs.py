@@ -116,3 +116,41 @@ def test_required_tool_choice_calls_some_tools(server: Server):
                 for c in (choice.get("delta") or {}).get("tool_calls") or []]
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in streamed] == \
         [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    (COMPLETIONS, {"prompt": "a", "structured_outputs": {"regex": ""}}, "structured_outputs.regex"),
+    (COMPLETIONS, {"prompt": "a", "structured_outputs": {"regex": "^$"}}, "structured_outputs.regex"),
+    (COMPLETIONS, {"prompt": "a", "structured_outputs": {"regex": "a{0}"}}, "structured_outputs.regex"),
+    (CHAT, {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "n",
+                                                                                          "schema": False}}},
+     "response_format.json_schema"),
+    (COMPLETIONS, {"prompt": "a", "structured_outputs": {"json": False, "regex": "a"}}, "structured_outputs"),
+    (COMPLETIONS, {"prompt": "a", "structured_outputs": {"json_object": False}}, "structured_outputs"),
+])
+def test_grammars_that_cannot_be_met_are_400s_naming_the_field(server: Server, path: str, body: dict, param: str):
+    """Streamed or not: a 400 before anything is generated (a grammar that accepts only the
+    empty output, the `false` schema, two grammars or none)."""
+    for stream in (False, True):
+        r = httpx.post(f"{server.url}{path}", json={**body, "stream": stream}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (stream, r.text)
+
+
+def test_json_schema_without_a_schema_is_any_object(server: Server):
+    choice = _post(server, CHAT, messages=USER, response_format={"type": "json_schema", "json_schema": {
+        "name": "anything"}}, structured_outputs=None)["choices"][0]
+    assert choice["message"]["content"].startswith("{")
+    if choice["finish_reason"] == "stop":
+        assert isinstance(json.loads(choice["message"]["content"]), dict)
+
+
+def test_auto_tool_parsing_leaves_a_constrained_reply_alone():
+    """With --tool-call-parser, tools and tool_choice "auto", a reply a grammar constrained is
+    that grammar's text: a tag inside a JSON string is no call (the choice below is the
+    only text the grammar allows)."""
+    text = '{"note": "<tool_call><function=wx></function></tool_call>"}'
+    config = EngineConfig(device="cpu", dtype="float32", max_model_len=1024)
+    with serve_in_thread(lambda: LLMEngine(config), tool_call_parser="qwen3_coder") as s:
+        choice = _post(s, CHAT, messages=USER, tools=[WX], structured_outputs={"choice": [text]})["choices"][0]
+    assert choice["message"]["content"] == text and "tool_calls" not in choice["message"]
+    assert choice["finish_reason"] == "stop"

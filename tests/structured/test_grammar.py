@@ -13,7 +13,8 @@ from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
 from hybrid_engine.sampling_params import ParameterError, StructuredOutputsParams
-from hybrid_engine.structured.automaton import DEAD
+from hybrid_engine.structured import automaton
+from hybrid_engine.structured.automaton import DEAD, GrammarTooLarge
 from hybrid_engine.structured.grammar import MAX_GRAMMARS, GrammarCompiler, GrammarState, check_grammar, choice_regex
 from hybrid_engine.structured.regex import compile_regex
 from hybrid_engine.structured.vocabulary import TokenVocabulary
@@ -380,11 +381,9 @@ def test_cache_keeps_the_most_recently_used_grammars(bpe):
 
 
 def test_schemas_differing_in_property_order_get_their_own_grammar(bpe):
-    """BUG (exposes one in `grammar._key`): the cache key is `json.dumps(..., sort_keys=True)`,
-    so two schemas whose `properties` differ only in order share a key, and the second
-    request gets the first one's grammar, although the order of `properties` is the order
-    the output must follow (json_schema.py). Here the b-first schema is refused its own
-    output '{"b":2,"a":1}'. Fix: key without sort_keys (dict order is the schema's)."""
+    """The order of `properties` is the order the output follows (json_schema.py), so two
+    schemas that differ only in it are two grammars (a cache key of sorted JSON made them
+    one: the b-first schema was refused its own output '{"b":2,"a":1}')."""
     def schema(order):
         return {"type": "object", "properties": {k: {"type": "integer"} for k in order},
                 "required": ["a", "b"], "additionalProperties": False}
@@ -394,6 +393,42 @@ def test_schemas_differing_in_property_order_get_their_own_grammar(bpe):
     for order, text in [("ab", b'{"a":1,"b":2}'), ("ba", b'{"b":2,"a":1}')]:
         automaton = compiler.start(StructuredOutputsParams(json=schema(order)), eos).grammar.automaton
         assert automaton.is_accepting(automaton.walk(automaton.start, text)), order
+
+
+def test_a_grammar_out_of_states_is_compiled_afresh_for_the_next_request(bpe, monkeypatch):
+    """A grammar that ran out of automaton states fails the request that reached the limit
+    (a ValueError from `advance`, which the scheduler turns into that request's error); the
+    next request with it starts on a fresh copy, not on the full one."""
+    compiler = GrammarCompiler(TokenVocabulary(bpe, BPE_VOCAB_SIZE))
+    params = StructuredOutputsParams(regex="[a-z]{0,40}")
+    state = compiler.start(params, frozenset())
+    monkeypatch.setattr(automaton, "MAX_STATES", state.grammar.automaton._num_states + 3)
+    with pytest.raises(GrammarTooLarge):
+        for _ in range(40):
+            state.advance(bpe.convert_tokens_to_ids("a"))
+    assert state.grammar.exhausted
+    monkeypatch.undo()
+    fresh = compiler.start(params, frozenset())
+    assert fresh.grammar is not state.grammar and not fresh.grammar.exhausted
+    for _ in range(40):
+        fresh.advance(bpe.convert_tokens_to_ids("a"))
+    assert fresh.terminated
+
+
+def test_writing_a_mask_never_grows_the_automaton(bpe):
+    """The runner writes masks outside any one request's error handling, so every state a
+    mask walk makes must already exist by then: `advance` (run in the scheduler, one
+    request at a time) makes them, also where the output is whole and EOS allowed."""
+    compiler = GrammarCompiler(TokenVocabulary(bpe, BPE_VOCAB_SIZE))
+    eos = frozenset({bpe.eos_token_id})
+    state = compiler.start(StructuredOutputsParams(regex="[a-z ]{0,60}"), eos)
+    out = np.zeros(compiler.vocabulary.mask_bytes, dtype=np.uint8)
+    for token in bpe.encode("the quick brown fox jumps over the lazy dog"):
+        state.advance(token)
+        assert state.accepting
+        before = state.grammar.automaton._num_states
+        state.write_mask(out)
+        assert state.grammar.automaton._num_states == before
 
 
 # ---- a vocabulary that lacks bytes ---------------------------------------------------------
