@@ -477,7 +477,7 @@ class LLMEngine:
             raise ParameterError("structured_outputs", "structured_outputs: structured outputs need a tokenizer; "
                                                        "this model has none")
         if self._grammars is None:
-            self._grammars = GrammarCompiler(TokenVocabulary(self.tokenizer, self.model_config.vocab_size,
+            self._grammars = GrammarCompiler(TokenVocabulary.of_tokenizer(self.tokenizer, self.model_config.vocab_size,
                                                              self.eos_token_ids))
         return self._grammars
 

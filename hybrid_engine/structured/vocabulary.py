@@ -19,25 +19,34 @@ class TokenVocabulary:
     still-unfinished ones as a leading slice); `token_ids` maps that order back to ids.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_ids: frozenset[int] = frozenset()):
-        self.vocab_size = vocab_size  # the model's logits width (may pad past the tokenizer)
+    def __init__(self, pieces: dict[int, bytes], vocab_size: int):
+        """`pieces`: token id -> bytes of the tokens a grammar may allow (ids < vocab_size,
+        none empty); `vocab_size`: the model's logits width (may pad past the tokenizer)."""
+        self.vocab_size = vocab_size
+        ordered = sorted(pieces.items(), key=lambda p: -len(p[1]))
+        longest = len(ordered[0][1]) if ordered else 0
+        self.token_ids = np.array([token for token, _ in ordered], dtype=np.int64)
+        self.lengths = np.array([len(data) for _, data in ordered], dtype=np.int64)
+        self.token_bytes = np.zeros((len(ordered), max(longest, 1)), dtype=np.uint8)
+        for row, (_, data) in enumerate(ordered):
+            self.token_bytes[row, : len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self.bytes_of = dict(pieces)
+
+    @classmethod
+    def of_tokenizer(cls, tokenizer: PreTrainedTokenizerBase, vocab_size: int,
+                     stop_ids: frozenset[int] = frozenset()) -> "TokenVocabulary":
+        """A model's vocabulary: every token of `tokenizer` below `vocab_size` but the
+        special ones, EOS (`stop_ids`) and those of no bytes."""
         to_bytes = TokenBytes(tokenizer)
         special = set(tokenizer.all_special_ids) | stop_ids
         special.update(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
-        pieces: list[tuple[int, bytes]] = []
+        pieces = {}
         for token_id in range(min(len(tokenizer), vocab_size)):
             if token_id not in special:
                 data = to_bytes(token_id)
                 if data:
-                    pieces.append((token_id, data))
-        pieces.sort(key=lambda p: -len(p[1]))
-        longest = len(pieces[0][1]) if pieces else 0
-        self.token_ids = np.array([p[0] for p in pieces], dtype=np.int64)
-        self.lengths = np.array([len(p[1]) for p in pieces], dtype=np.int64)
-        self.token_bytes = np.zeros((len(pieces), max(longest, 1)), dtype=np.uint8)
-        for row, (_, data) in enumerate(pieces):
-            self.token_bytes[row, : len(data)] = np.frombuffer(data, dtype=np.uint8)
-        self.bytes_of = {int(t): bytes(self.token_bytes[r, : self.lengths[r]]) for r, t in enumerate(self.token_ids)}
+                    pieces[token_id] = data
+        return cls(pieces, vocab_size)
 
     @property
     def mask_bytes(self) -> int:

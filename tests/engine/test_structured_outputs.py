@@ -75,7 +75,7 @@ def oracle(tmp_path_factory):
     skip_unless_hf_oracle(hf)
     tokenizer = build_byte_tokenizer()
     tokenizer.save_pretrained(path)
-    compiler = GrammarCompiler(TokenVocabulary(tokenizer, VOCAB))
+    compiler = GrammarCompiler(TokenVocabulary.of_tokenizer(tokenizer, VOCAB))
     prompts, expected = [], []
     for text, structured, max_tokens in REQUESTS:
         ids = tokenizer.encode(text)

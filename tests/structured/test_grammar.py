@@ -122,7 +122,7 @@ def bpe():
 
 @pytest.fixture(scope="module")
 def compiler(bpe):
-    return GrammarCompiler(TokenVocabulary(bpe, BPE_VOCAB_SIZE))
+    return GrammarCompiler(TokenVocabulary.of_tokenizer(bpe, BPE_VOCAB_SIZE))
 
 
 def mask_bits(state: GrammarState) -> list[bool]:
@@ -304,7 +304,7 @@ def test_advance_refuses_a_token_the_mask_does_not_allow(bpe, compiler):
 def test_compile_errors_name_the_field(bpe, params, field):
     params = StructuredOutputsParams(**params)
     with pytest.raises(ParameterError) as error:
-        GrammarCompiler(TokenVocabulary(bpe, BPE_VOCAB_SIZE)).start(params, frozenset({1}))
+        GrammarCompiler(TokenVocabulary.of_tokenizer(bpe, BPE_VOCAB_SIZE)).start(params, frozenset({1}))
     assert error.value.param == field and str(error.value).startswith(field)
     with pytest.raises(ParameterError) as error:
         check_grammar(params)
@@ -340,7 +340,7 @@ def test_check_grammar_accepts_good_grammars(params):
 
 # ---- the compiled-grammar cache ------------------------------------------------------------
 def test_equal_params_share_one_compiled_grammar(bpe):
-    compiler = GrammarCompiler(TokenVocabulary(bpe, BPE_VOCAB_SIZE))
+    compiler = GrammarCompiler(TokenVocabulary.of_tokenizer(bpe, BPE_VOCAB_SIZE))
     eos = frozenset({bpe.eos_token_id})
     first = compiler.start(StructuredOutputsParams(json=PERSON_SCHEMA), eos)
     # The same schema as a copy and as JSON text; other EOS ids do not make another grammar.
@@ -365,7 +365,7 @@ def test_equal_params_share_one_compiled_grammar(bpe):
 
 
 def test_cache_keeps_the_most_recently_used_grammars(bpe):
-    compiler = GrammarCompiler(TokenVocabulary(bpe, BPE_VOCAB_SIZE))
+    compiler = GrammarCompiler(TokenVocabulary.of_tokenizer(bpe, BPE_VOCAB_SIZE))
     eos = frozenset({bpe.eos_token_id})
 
     def grammar(i):
@@ -388,7 +388,7 @@ def test_schemas_differing_in_property_order_get_their_own_grammar(bpe):
         return {"type": "object", "properties": {k: {"type": "integer"} for k in order},
                 "required": ["a", "b"], "additionalProperties": False}
 
-    compiler = GrammarCompiler(TokenVocabulary(bpe, BPE_VOCAB_SIZE))
+    compiler = GrammarCompiler(TokenVocabulary.of_tokenizer(bpe, BPE_VOCAB_SIZE))
     eos = frozenset({bpe.eos_token_id})
     for order, text in [("ab", b'{"a":1,"b":2}'), ("ba", b'{"b":2,"a":1}')]:
         automaton = compiler.start(StructuredOutputsParams(json=schema(order)), eos).grammar.automaton
@@ -399,7 +399,7 @@ def test_a_grammar_out_of_states_is_compiled_afresh_for_the_next_request(bpe, mo
     """A grammar that ran out of automaton states fails the request that reached the limit
     (a ValueError from `advance`, which the scheduler turns into that request's error); the
     next request with it starts on a fresh copy, not on the full one."""
-    compiler = GrammarCompiler(TokenVocabulary(bpe, BPE_VOCAB_SIZE))
+    compiler = GrammarCompiler(TokenVocabulary.of_tokenizer(bpe, BPE_VOCAB_SIZE))
     params = StructuredOutputsParams(regex="[a-z]{0,40}")
     state = compiler.start(params, frozenset())
     monkeypatch.setattr(automaton, "MAX_STATES", state.grammar.automaton._num_states + 3)
@@ -419,7 +419,7 @@ def test_writing_a_mask_never_grows_the_automaton(bpe):
     """The runner writes masks outside any one request's error handling, so every state a
     mask walk makes must already exist by then: `advance` (run in the scheduler, one
     request at a time) makes them, also where the output is whole and EOS allowed."""
-    compiler = GrammarCompiler(TokenVocabulary(bpe, BPE_VOCAB_SIZE))
+    compiler = GrammarCompiler(TokenVocabulary.of_tokenizer(bpe, BPE_VOCAB_SIZE))
     eos = frozenset({bpe.eos_token_id})
     state = compiler.start(StructuredOutputsParams(regex="[a-z ]{0,60}"), eos)
     out = np.zeros(compiler.vocabulary.mask_bytes, dtype=np.uint8)
@@ -436,7 +436,7 @@ def test_writing_a_mask_never_grows_the_automaton(bpe):
 def narrow_compiler():
     """The byte tokenizer under a model of 100 logits: only bytes 0-99 are tokens ("z" = 122
     and "b" = 98: "b" is in, "z" is not)."""
-    return GrammarCompiler(TokenVocabulary(build_byte_tokenizer(), 100))
+    return GrammarCompiler(TokenVocabulary.of_tokenizer(build_byte_tokenizer(), 100))
 
 
 @pytest.mark.parametrize("params, field", [
@@ -487,7 +487,7 @@ def test_masks_of_a_30k_token_vocabulary():
     eos = frozenset({tokenizer.eos_token_id})
 
     started = time.perf_counter()
-    vocab = TokenVocabulary(tokenizer, len(tokenizer) + 64)
+    vocab = TokenVocabulary.of_tokenizer(tokenizer, len(tokenizer) + 64)
     built = time.perf_counter()
     compiler = GrammarCompiler(vocab)
     token_ids, check = list(vocab.bytes_of), random.Random(1)

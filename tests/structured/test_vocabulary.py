@@ -80,7 +80,7 @@ def test_byte_tokenizer_vocabulary():
     are not tokens a grammar can use."""
     tokenizer = build_byte_tokenizer()
     assert len(tokenizer) == BYTE_TOKENIZER_VOCAB_SIZE == 261
-    vocab = TokenVocabulary(tokenizer, 272)
+    vocab = TokenVocabulary.of_tokenizer(tokenizer, 272)
     assert vocab.vocab_size == 272 and vocab.mask_bytes == 34
     assert vocab.bytes_of == {i: bytes([i]) for i in range(256)}
     assert not set(vocab.token_ids.tolist()) & set(range(256, 272))
@@ -89,7 +89,7 @@ def test_byte_tokenizer_vocabulary():
 
 def test_byte_tokenizer_vocab_size_below_tokenizer():
     """A model whose logits are narrower than the tokenizer only has the ids below its width."""
-    vocab = TokenVocabulary(build_byte_tokenizer(), 100)
+    vocab = TokenVocabulary.of_tokenizer(build_byte_tokenizer(), 100)
     assert vocab.bytes_of == {i: bytes([i]) for i in range(100)}
     assert vocab.mask_bytes == 13
     check_layout(vocab)
@@ -106,7 +106,7 @@ def bpe():
 def test_bpe_bytes_are_the_decoded_text(bpe):
     """Every non-special token's bytes are the text it decodes to in context, for each token
     that is valid UTF-8 on its own (the rest, parts of a character, decode to U+FFFD)."""
-    vocab = TokenVocabulary(bpe, 416)  # (padded past the tokenizer, as checkpoints are)
+    vocab = TokenVocabulary.of_tokenizer(bpe, 416)  # (padded past the tokenizer, as checkpoints are)
     check_layout(vocab)
     special = {bpe.convert_tokens_to_ids(t) for t in BPE_SPECIAL_TOKENS}
     assert set(vocab.bytes_of) == set(range(400)) - special
@@ -132,7 +132,7 @@ def test_bpe_bytes_are_the_decoded_text(bpe):
 def test_bpe_encoded_text_round_trips(bpe, text):
     """The vocabulary bytes of a text's tokens (some split inside a character) concatenate
     back to the text's UTF-8."""
-    vocab = TokenVocabulary(bpe, 400)
+    vocab = TokenVocabulary.of_tokenizer(bpe, 400)
     ids = bpe.encode(text, add_special_tokens=False)
     assert any(len(vocab.bytes_of[i]) > 1 for i in ids)  # (merged tokens, not only bytes)
     assert b"".join(vocab.bytes_of[i] for i in ids) == text.encode()
@@ -147,7 +147,7 @@ def test_bpe_added_tokens():
     ids = dict(zip(["<|tool|>", "<|flagged|>", "<tag>", " <b>"],
                    tokenizer.convert_tokens_to_ids(["<|tool|>", "<|flagged|>", "<tag>", " <b>"])))
     assert sorted(ids.values()) == list(range(400, 404))
-    vocab = TokenVocabulary(tokenizer, 408)
+    vocab = TokenVocabulary.of_tokenizer(tokenizer, 408)
     check_layout(vocab)
     assert ids["<|tool|>"] not in vocab.bytes_of and ids["<|flagged|>"] not in vocab.bytes_of
     assert vocab.bytes_of[ids["<tag>"]] == b"<tag>" == decoded_in_context(tokenizer, ids["<tag>"]).encode()
@@ -184,7 +184,7 @@ def sentencepiece_tokenizer(style: str) -> PreTrainedTokenizerFast:
 def test_sentencepiece_byte_fallback_pieces(style):
     """Byte-fallback pieces are their byte, even one that is part of a character."""
     tokenizer = sentencepiece_tokenizer(style)
-    vocab = TokenVocabulary(tokenizer, 288)
+    vocab = TokenVocabulary.of_tokenizer(tokenizer, 288)
     check_layout(vocab)
     for byte in range(256):
         assert vocab.bytes_of[tokenizer.convert_tokens_to_ids(f"<0x{byte:02X}>")] == bytes([byte])
@@ -202,7 +202,7 @@ def test_sentencepiece_word_start_keeps_its_space(style):
     grammar then believes "▁hello▁world" writes "helloworld", and can never write a space
     through "▁". Expected: b" hello", b" ", b" café"."""
     tokenizer = sentencepiece_tokenizer(style)
-    vocab = TokenVocabulary(tokenizer, 288)
+    vocab = TokenVocabulary.of_tokenizer(tokenizer, 288)
     token = dict(zip(SP_PIECES, tokenizer.convert_tokens_to_ids(SP_PIECES)))
     assert vocab.bytes_of[token["hello"]] == b"hello"
     assert vocab.bytes_of[token["é"]] == "é".encode()
@@ -216,7 +216,7 @@ def test_sentencepiece_bytes_are_the_decoded_text(style):
     """BUG (same as `test_sentencepiece_word_start_keeps_its_space`): every whole-text piece's
     bytes are the text it decodes to in context, "▁" pieces included."""
     tokenizer = sentencepiece_tokenizer(style)
-    vocab = TokenVocabulary(tokenizer, 288)
+    vocab = TokenVocabulary.of_tokenizer(tokenizer, 288)
     for piece in SP_PIECES:
         token_id = tokenizer.convert_tokens_to_ids(piece)
         assert vocab.bytes_of.get(token_id) == decoded_in_context(tokenizer, token_id).encode(), piece
