@@ -157,15 +157,43 @@ class ForcedCallSplit:
 def forced_call_schema(tools: list[dict[str, Any]], name: str | None) -> dict[str, Any]:
     """The JSON schema a forced reply follows (`ForcedCallSplit`): the named function's
     parameters, or for "required" a non-empty list of calls of any of `tools` (vLLM's
-    shape). A function without parameters takes any object."""
+    shape). A function without parameters takes any object. In the list, each function's
+    parameters sit under the list's own `$defs` (`tool0`, its definitions `tool0.NAME`), so
+    that their `$ref`s ("#", "#/$defs/NAME") still point into their own schema."""
     def parameters(tool: dict[str, Any]) -> dict[str, Any]:
         return tool["function"].get("parameters") or {"type": "object"}
 
     if name is not None:
         return parameters(next(tool for tool in tools if tool["function"]["name"] == name))
-    return {"type": "array", "minItems": 1, "items": {"anyOf": [
-        {"type": "object", "properties": {"name": {"enum": [tool["function"]["name"]]}, "parameters": parameters(tool)},
-         "required": ["name", "parameters"]} for tool in tools]}}
+    definitions: dict[str, Any] = {}
+    for i, tool in enumerate(tools):
+        params = parameters(tool)
+        own = {key: params[key] for key in ("$defs", "definitions") if isinstance(params.get(key), dict)}
+        for kind, named in own.items():
+            for def_name, schema in named.items():
+                definitions[f"tool{i}.{kind}.{def_name}"] = _rebased(schema, i)
+        definitions[f"tool{i}"] = _rebased({k: v for k, v in params.items() if k not in own}, i)
+    return {"type": "array", "minItems": 1, "$defs": definitions, "items": {"anyOf": [
+        {"type": "object", "properties": {"name": {"enum": [tool["function"]["name"]]},
+                                          "parameters": {"$ref": f"#/$defs/tool{i}"}},
+         "required": ["name", "parameters"]} for i, tool in enumerate(tools)]}}
+
+
+def _rebased(schema: Any, tool: int) -> Any:
+    """`schema` (part of tool `tool`'s parameters) with its `$ref`s into the parameters
+    ("#", "#/$defs/NAME", "#/definitions/NAME") pointing where `forced_call_schema` puts them."""
+    if isinstance(schema, list):
+        return [_rebased(item, tool) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _rebased(value, tool) for key, value in schema.items()}
+    ref = schema.get("$ref")
+    if ref == "#":
+        out["$ref"] = f"#/$defs/tool{tool}"
+    elif isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/")):
+        kind, _, def_name = ref[2:].partition("/")
+        out["$ref"] = f"#/$defs/tool{tool}.{kind}.{def_name}"
+    return out
 
 
 def _calls(block: str, body: str) -> list[ParsedCall]:

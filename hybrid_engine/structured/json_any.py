@@ -14,8 +14,12 @@ object (any value with `top_level_object=False`), under these rules:
 - Strings: any Unicode scalar value except `"`, `\` and U+0000..U+001F, as valid UTF-8
   checked byte by byte (no overlong forms, no surrogates U+D800..U+DFFF, nothing above
   U+10FFFF; a state between the bytes of one character is live), and the escapes
-  `\" \\ \/ \b \f \n \r \t \uXXXX` (hex digits of any case). `\u` escapes are
-  not paired: a lone `\uD800` is accepted, as the JSON grammar allows it syntactically.
+  `\" \\ \/ \b \f \n \r \t \uXXXX` (hex digits of any case). A `\u` escape of a
+  surrogate comes only as a pair: `\uD800`-`\uDBFF` then at once `\uDC00`-`\uDFFF`. A
+  lone one, which the JSON grammar allows syntactically and Python's json reads, is
+  not Unicode, and strict readers (pydantic's jiter) refuse it; so the byte that would
+  leave one is rejected (a low escape first, or anything but the low escape after a
+  high one).
 - Numbers: `-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?` with at most
   `MAX_NUMBER_DIGITS` digits in each of the three parts, so no number runs forever. A
   number at top level (`top_level_object=False`) accepts yet can continue with a digit.
@@ -76,9 +80,15 @@ _COLON = "colon"  # after a key
 _AFTER_VALUE = ", or close"  # after a value inside a container
 _DONE = "done"  # the top-level value is complete: nothing may follow
 # Where a _STRING state is: "" in plain text, _ESCAPE right after a backslash, ("u", n) with
-# n hex digits of a \u escape still to come, ("utf8", n, lo, hi) with n continuation bytes
-# of a character still to come, the next one in lo..hi.
+# n hex digits of a \u escape still to come (at n == 4 a `d` leads to _AFTER_D), _AFTER_D
+# after a `\ud`, ("high", n) with n hex digits of a high surrogate escape to come,
+# ("low", i) expecting byte i of `\uD[C-F]` that starts the low surrogate escape due
+# after a high one, ("utf8", n, lo, hi) with n continuation bytes of a character still to
+# come, the next one in lo..hi.
 _ESCAPE = "\\"
+_AFTER_D = ("after d",)
+_D, _BELOW_8, _HIGH_SECOND = _byte_set("dD"), _byte_set("01234567"), _byte_set("89abAB")
+_LOW_START = (_byte_set("\\"), _byte_set("u"), _D, _byte_set("cdefCDEF"))  # `\uD[C-F]`
 # A _NUMBER state's phase; the ones after a digit end a complete number.
 _MINUS, _ZERO, _INT, _DOT, _FRACTION, _EXP, _EXP_SIGN, _EXP_DIGITS = range(8)
 _NUMBER_ENDS = (_ZERO, _INT, _FRACTION, _EXP_DIGITS)
@@ -182,9 +192,20 @@ class JsonAutomaton(ByteAutomaton):
         elif inside == _ESCAPE:
             row[_SIMPLE_ESCAPES] = plain
             row[ord("u")] = self._intern((_STRING, stack, is_key, ("u", 4)))
+        elif inside == _AFTER_D:  # `\ud`: 0-7 is no surrogate, 8-B a high one, C-F a lone low one
+            row[_BELOW_8] = self._intern((_STRING, stack, is_key, ("u", 2)))
+            row[_HIGH_SECOND] = self._intern((_STRING, stack, is_key, ("high", 2)))
         elif inside[0] == "u":
             hex_left = inside[1]
             row[_HEX_DIGITS] = plain if hex_left == 1 else self._intern((_STRING, stack, is_key, ("u", hex_left - 1)))
+            if hex_left == 4:
+                row[_D] = self._intern((_STRING, stack, is_key, _AFTER_D))
+        elif inside[0] == "high":
+            hex_left = inside[1]
+            row[_HEX_DIGITS] = self._intern((_STRING, stack, is_key, ("high", hex_left - 1) if hex_left > 1 else ("low", 0)))
+        elif inside[0] == "low":
+            at = inside[1]
+            row[_LOW_START[at]] = self._intern((_STRING, stack, is_key, ("low", at + 1) if at < 3 else ("u", 2)))
         else:
             _, continuations, low, high = inside
             row[low : high + 1] = (

@@ -21,12 +21,17 @@ Any value: `{}` and `true` admit any JSON value with at most `MAX_ANY_DEPTH` lev
   `properties`/`prefixItems`; `additionalProperties`/`items` absent, true or `{}`) is the
   first of those levels.
 Strings: any Unicode except `"`, `\\` and U+0000..U+001F, or the escapes `\\" \\\\ \\/ \\b
-  \\f \\n \\r \\t \\uXXXX`; `minLength`/`maxLength` count characters, one per escape (so
-  a surrogate pair of escapes counts two). `pattern` (one leading `^` and trailing `$`
-  stripped) is matched against the raw characters between the quotes, escapes undecoded:
-  a pattern that admits `"`, `\\` or a control character admits invalid JSON. `format`:
-  date-time, date, time (RFC 3339, offset required), uuid, email (simple
-  `local@domain.tld`), ipv4. `pattern`, `format` and length bounds do not combine.
+  \\f \\n \\r \\t \\uXXXX` (hex digits of any case). A `\\u` escape of a surrogate comes
+  only as a pair, `\\uD800`-`\\uDBFF` then at once `\\uDC00`-`\\uDFFF`: a lone one is not
+  Unicode, and strict readers (pydantic's jiter) refuse it although Python's json reads
+  it. `minLength`/`maxLength` count code points, as JSON Schema does: one per character,
+  one per escape, one per surrogate pair of escapes. `pattern` (one leading `^` and
+  trailing `$` stripped) is matched against the raw characters between the quotes,
+  escapes undecoded: a pattern that admits `"`, `\\` or a control character admits invalid
+  JSON. `format`: date-time, date, time, uuid, email, ipv4, each exactly as
+  `structured.string_formats` states (RFC 3339 with the offset required, real calendar
+  dates, no leap second; what pydantic and Python's parsers accept). `pattern`, `format`
+  and length bounds do not combine.
 Numbers: "integer" is `-?(0|[1-9][0-9]*)` (no `1.0`, no exponent, no `-0`); "number" is
   any JSON number. Bounds (`minimum`/`maximum`/`exclusiveMinimum`/`exclusiveMaximum`) are
   exact for both: exactly the texts whose value is within them match. A bounded "number"
@@ -52,7 +57,8 @@ References: `$ref` to `#`, `#/$defs/NAME` or `#/definitions/NAME`, resolved in t
 Errors: annotations (title, description, $schema, $id, $comment, default, examples,
   deprecated, readOnly, writeOnly) are ignored. Any other keyword (multipleOf, uniqueItems,
   not, if, patternProperties, minProperties, contains, ...), a keyword beside `$ref`/
-  `anyOf`/`oneOf`/`allOf`, or a malformed value raises ValueError("json_schema: ...") naming
+  `anyOf`/`oneOf`/`allOf`, a property name or `enum`/`const` string holding a lone
+  surrogate, or a malformed value raises ValueError("json_schema: ...") naming
   the keyword and the JSON path of its subschema, e.g. `$.properties.tags.items`.
 """
 from __future__ import annotations
@@ -65,14 +71,15 @@ from decimal import Decimal
 from functools import partial
 
 from hybrid_engine.structured.number_range import Bound, decimal_range, integer_range
+from hybrid_engine.structured.string_formats import FORMATS
 
 # Greedy decoding can repeat a whitespace token forever; a bounded run stops that, and 16
 # is enough for pretty-printed output a few levels deep.
 MAX_WHITESPACE = 16
 # A regex cannot match brackets, so free-form nesting is unrolled level by level, and each
 # level holds the one below 4 times (an object's first and further values, an array's).
-# Measured for `{}`: depth 3 is 17.6k characters (22k NFA states in `structured.regex`),
-# depth 4 is 71k (90k states, nearly half of its 200k budget for a single free-form field).
+# Measured for `{}`: depth 3 is 30k characters (26k NFA states in `structured.regex`),
+# depth 4 is 122k (105k states, over half of its 200k budget for a single free-form field).
 MAX_ANY_DEPTH = 3
 MAX_REF_DEPTH = 3  # expansions of one $ref inside itself before recursion is cut off
 
@@ -91,20 +98,15 @@ _KEYWORDS = frozenset().union(*_TYPE_KEYWORDS.values(), _COMBINATORS,
                               {"type", "enum", "const", "$defs", "definitions"})
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
-_STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
+# A \u escape of a code point outside the surrogates, or of a surrogate pair (D800-DBFF
+# then DC00-DFFF) as one character: a lone surrogate is not Unicode, and jiter (pydantic)
+# refuses it although Python's json reads it.
+_U_ESCAPE = (r"\\u(?:[0-9a-cA-Ce-fE-F][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2}"
+             r"|[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2})")
+_STRING_CHAR = rf'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|{_U_ESCAPE})'
 _STRING = f'"{_STRING_CHAR}*"'
 _INTEGER = "-?(?:0|[1-9][0-9]*)"
 _NUMBER = _INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
-_HOUR, _MINUTE = "(?:[01][0-9]|2[0-3])", "[0-5][0-9]"
-_DATE = "[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])"
-_TIME = rf"{_HOUR}:{_MINUTE}:(?:{_MINUTE}|60)(?:\.[0-9]+)?(?:Z|[+-]{_HOUR}:{_MINUTE})"
-_OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
-_FORMATS = {
-    "date-time": f"{_DATE}T{_TIME}", "date": _DATE, "time": _TIME,
-    "uuid": "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
-    "email": r"[A-Za-z0-9._%+-]+@(?:[A-Za-z0-9-]+\.)+[A-Za-z]{2,}",
-    "ipv4": rf"{_OCTET}\.{_OCTET}\.{_OCTET}\.{_OCTET}",
-}
 _METACHARACTERS = frozenset("\\.^$*+?()[]{}|")
 
 
@@ -159,6 +161,12 @@ def _literal(text: str) -> str:
 def _unconstrained(schema: object) -> bool:
     """Whether `schema` admits every value (`true`, or nothing but annotations)."""
     return schema is True or (isinstance(schema, dict) and schema.keys() <= _ANNOTATIONS)
+
+
+def _check_unicode(texts: list[str], what: str, path: str) -> None:
+    """ValueError if a key or literal holds a lone surrogate (it has no valid spelling)."""
+    if any(0xD800 <= ord(c) <= 0xDFFF for text in texts for c in text):
+        raise _fail(f"{what} at {path} holds a lone surrogate, which is not Unicode")
 
 
 def _json_types(value: object) -> set[str]:
@@ -275,6 +283,7 @@ class _Builder:
                      for v in values]
         except (TypeError, ValueError):
             raise _fail(f"an 'enum'/'const' value at {path} is not JSON") from None
+        _check_unicode(texts, "an 'enum'/'const' value", path)
         return _alt([_literal(text) for text in dict.fromkeys(texts)])
 
     def any_value(self, depth: int) -> str:
@@ -298,6 +307,7 @@ class _Builder:
         members = [(key, lambda k=key, s=sub: self.value(s, f"{path}.properties.{k}"), key in required)
                    for key, sub in properties.items()]
         missing = [key for key in required if key not in properties]
+        _check_unicode([*properties, *missing], "a property name", path)
         extra = schema.get("additionalProperties", False)
         extra_value = None
         if "properties" not in schema and _unconstrained(schema.get("additionalProperties", True)):
@@ -383,9 +393,9 @@ class _Builder:
         if len(shaped) + bool(sized) > 1:
             raise _fail(f"{(shaped + sized)[1]!r} with {shaped[0]!r} at {path} is not supported")
         if "format" in schema:
-            if schema["format"] not in _FORMATS:
+            if schema["format"] not in FORMATS:
                 raise _fail(f"'format' {schema['format']!r} at {path} is not supported")
-            return f'"{_FORMATS[schema["format"]]}"'
+            return f'"{FORMATS[schema["format"]]}"'
         if "pattern" in schema:
             pattern = schema["pattern"]
             try:

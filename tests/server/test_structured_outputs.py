@@ -154,3 +154,39 @@ def test_auto_tool_parsing_leaves_a_constrained_reply_alone():
         choice = _post(s, CHAT, messages=USER, tools=[WX], structured_outputs={"choice": [text]})["choices"][0]
     assert choice["message"]["content"] == text and "tool_calls" not in choice["message"]
     assert choice["finish_reason"] == "stop"
+
+
+ORDER = {"type": "function", "function": {"name": "order", "parameters": {
+    "$defs": {"Item": {"type": "object", "properties": {"sku": {"type": "string", "maxLength": 4},
+                                                        "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
+                       "required": ["sku", "qty"]}},
+    "type": "object", "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"}, "minItems": 1,
+                                               "maxItems": 2}}, "required": ["items"]}}}
+CHAIN = {"type": "function", "function": {"name": "chain", "parameters": {
+    "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}, "next": {"$ref": "#"}},
+    "required": ["n"]}}}
+
+
+def test_required_calls_of_tools_whose_parameters_refer_into_themselves(server: Server):
+    """Each tool's `$ref`s ("#/$defs/Item", "#") keep pointing into its own parameters when
+    "required" puts them all in one list schema. (A random model may write calls until
+    max_tokens: of six seeds, the replies it finished are checked, at least two.)"""
+    def chain_ok(value: dict) -> bool:
+        return set(value) <= {"n", "next"} and 0 <= value["n"] <= 9 and ("next" not in value or chain_ok(value["next"]))
+
+    finished = 0
+    for seed in range(6):
+        choice = _post(server, CHAT, messages=USER, tools=[ORDER, CHAIN], tool_choice="required", temperature=1.0,
+                       seed=seed, max_tokens=900)["choices"][0]
+        if choice["finish_reason"] == "length":
+            continue
+        finished += 1
+        assert choice["finish_reason"] == "tool_calls", choice
+        for call in choice["message"]["tool_calls"]:
+            arguments = json.loads(call["function"]["arguments"])
+            if call["function"]["name"] == "order":
+                assert 1 <= len(arguments["items"]) <= 2
+                assert all(len(item["sku"]) <= 4 and 1 <= item["qty"] <= 9 for item in arguments["items"])
+            else:
+                assert call["function"]["name"] == "chain" and chain_ok(arguments)
+    assert finished >= 2

@@ -1,12 +1,16 @@
-"""JsonAutomaton against an oracle: Python's `json.loads` plus the bounds the automaton adds."""
+"""JsonAutomaton against an oracle: Python's `json.loads` plus the bounds the automaton adds,
+refusing strings with a lone surrogate as pydantic's parser (jiter, `pydantic_core.from_json`)
+does; accepted texts are checked against jiter too."""
 import json
 import random
 import re
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
+import pydantic
 import pytest
+from pydantic_core import from_json
 
 from hybrid_engine.structured.automaton import DEAD
 from hybrid_engine.structured.json_any import MAX_DEPTH, MAX_NUMBER_DIGITS, MAX_WHITESPACE, JsonAutomaton
@@ -43,14 +47,34 @@ def obeys_bounds(text: str, value: object, top_level_object: bool, any_whitespac
     return int(opened.max()) <= MAX_DEPTH
 
 
+def has_lone_surrogate(value: object) -> bool:
+    """Whether a string in `value` (a key too) holds a surrogate code point: json.loads makes
+    a pair of surrogate escapes one character, so a surrogate left is a lone escape."""
+    if isinstance(value, str):
+        return any(0xD800 <= ord(c) <= 0xDFFF for c in value)
+    if isinstance(value, dict):
+        return any(has_lone_surrogate(k) or has_lone_surrogate(v) for k, v in value.items())
+    return isinstance(value, list) and any(map(has_lone_surrogate, value))
+
+
+def jiter_accepts(data: bytes) -> bool:
+    """Whether pydantic's own JSON parser reads `data` (NaN and Infinity refused)."""
+    try:
+        from_json(data, allow_inf_nan=False)
+    except ValueError:
+        return False
+    return True
+
+
 def oracle(data: bytes, top_level_object: bool = True, any_whitespace: bool = True) -> bool:
-    """Whether `data` is one JSON text (strict UTF-8) within the automaton's bounds."""
+    """Whether `data` is one JSON text (strict UTF-8, no lone surrogate escape) within the
+    automaton's bounds."""
     try:
         text = data.decode("utf-8")
         value = json.loads(text, parse_constant=_reject_constant)
     except ValueError:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
         return False
-    return obeys_bounds(text, value, top_level_object, any_whitespace)
+    return not has_lone_surrogate(value) and obeys_bounds(text, value, top_level_object, any_whitespace)
 
 
 def accepts(automaton: JsonAutomaton, data: bytes) -> bool:
@@ -64,9 +88,16 @@ _PIECES = ["a", "key", " ", '"', "\\", "/", "\n", "\t", "\b", "\f", "\r", "\x00"
 _PLACEHOLDER = re.compile(r'"\\u0001(\d+)"')  # how json.dumps writes a placeholder string
 
 
+# Surrogates as Python code points: json.dumps escapes them (ASCII output; two in a row form
+# a pair), or writes them raw, which "surrogatepass" encodes as invalid UTF-8.
+_SURROGATES = ["\ud800", "\udbff", "\udc00", "\udfff", "\ud83d\ude00", "\ud83d\ude00", "\ud800\ud800\udc00"]
+
+
 def random_string(rng: random.Random) -> str:
-    """A short string mixing ASCII, escapes-to-be, controls and 2- to 4-byte characters."""
-    return "".join(rng.choice(_PIECES) for _ in range(rng.randint(0, 5)))
+    """A short string mixing ASCII, escapes-to-be, controls and 2- to 4-byte characters, now
+    and then a surrogate."""
+    text = "".join(rng.choice(_PIECES) for _ in range(rng.randint(0, 5)))
+    return text + rng.choice(_SURROGATES) if rng.random() < 0.04 else text
 
 
 def random_number(rng: random.Random) -> str:
@@ -125,7 +156,7 @@ def random_document(rng: random.Random, top_level_object: bool, any_whitespace: 
     text = _PLACEHOLDER.sub(lambda m: numbers[int(m.group(1))], text)
     if style == 2:
         text = sprinkle_whitespace(rng, text)
-    return text.encode("utf-8")
+    return text.encode("utf-8", "surrogatepass")
 
 
 _INTERESTING = b'{}[]:,"\\ \t\n\r0123456789-+.eEtfnulrasux\x00\x1f\x7f\x80\xbf\xc0\xc3\xe0\xed\xf0\xf4\xf5\xff'
@@ -151,9 +182,10 @@ def corpus(seed: int, top_level_object: bool, any_whitespace: bool, documents: i
 
 # ---- liveness ----------------------------------------------------------------------------
 # Bytes that can finish any JSON prefix: closers, a quote, a digit, the colon, the letters of
-# the literals and of a one-letter escape, one continuation byte from each UTF-8 range, and
-# last (so that it is tried only where nothing else will do) the brace a text must open with.
-_FINISHERS = b'}]":0' + b"nulraes" + bytes([0x80, 0x90, 0xA0]) + b"{"
+# the literals and of a one-letter escape, the `\\` and `d` of a low surrogate escape due, one
+# continuation byte from each UTF-8 range, and last (so that it is tried only where nothing
+# else will do) the brace a text must open with.
+_FINISHERS = b'}]":0' + b"nulraes" + b"\\d" + bytes([0x80, 0x90, 0xA0]) + b"{"
 
 
 def completion(automaton: JsonAutomaton, state: int, memo: dict[int, bytes]) -> bytes | None:
@@ -189,16 +221,26 @@ def test_random_texts_match_oracle(top_level_object: bool, any_whitespace: bool)
     """Random documents and their mutations: accepted exactly when the oracle accepts; an
     accepted top-level object ends in a state with no live continuation."""
     automaton = JsonAutomaton(top_level_object, any_whitespace)
-    verdicts = []
+    verdicts, lone_surrogates = [], 0
     for text in corpus(7 + top_level_object + 2 * any_whitespace, top_level_object, any_whitespace, 400):
         expected = oracle(text, top_level_object, any_whitespace)
         end = automaton.walk(automaton.start, text)
         assert automaton.is_accepting(end) == expected, text
+        if expected:
+            assert jiter_accepts(text), text
         if expected and top_level_object:
             assert not automaton.can_continue(end), text
+        try:
+            lone = has_lone_surrogate(json.loads(text))
+        except ValueError:
+            lone = False
+        if lone:  # what json.loads reads and jiter refuses
+            lone_surrogates += 1
+            assert not jiter_accepts(text), text
         verdicts.append(expected)
     # Both verdicts must be common, or the comparison says little.
     assert 200 < sum(verdicts) < len(verdicts) - 200
+    assert lone_surrogates > 20
 
 
 @pytest.mark.parametrize("top_level_object,any_whitespace", CONFIGS)
@@ -321,17 +363,84 @@ def test_invalid_utf8_is_dead_at_the_offending_byte(bad: bytes, offending: int) 
 
 
 def test_string_bytes_and_escapes_match_oracle() -> None:
-    """Each byte as string text, after a backslash and at each hex digit of a \\u escape."""
+    """Each byte as string text, after a backslash, at each hex digit of a \\u escape (of
+    a plain code point, of a high surrogate, of the low one after it) and at each byte of
+    the `\\uD` that must follow a high surrogate escape."""
     automaton = JsonAutomaton()
     texts = []
     for b in range(256):
         byte = bytes([b])
         texts += [b'{"a":"x' + byte + b'"}', b'{"a":"\\' + byte + b'0000"}']
-        texts += [b'{"a":"\\u' + b"0" * i + byte + b"0" * (3 - i) + b'"}' for i in range(4)]
-    texts += [b'{"a":"\\ud800"}', b'{"\\uDBFF\\uDfFf":"\\uDC00\\uD800"}']  # surrogate escapes are syntax
+        for escape in (b"\\u0000", b"\\ud800", b"\\uDbFf\\udc00", b"\\ud83d\\uDE00"):
+            texts += [b'{"a":"' + escape[:i] + byte + escape[i + 1:] + b'"}' for i in range(1, len(escape))]
+        texts += [b'{"a":"\\ud800' + byte + b'"}', b'{"\\udbff' + byte + b'x":1}']
+    texts += [b'{"a":"\\ud800"}', b'{"\\uDBFF\\uDfFf":"\\uDC00\\uD800"}', b'{"\\udc00":1}']  # lone ones
+    texts += [b'{"\\uDBFF\\uDfFf":"\\uD800\\uDC00\\ud7ff\\ue000"}']  # pairs and their neighbours
     verdicts = [oracle(t) for t in texts]
     assert [accepts(automaton, t) for t in texts] == verdicts
-    assert sum(verdicts) > 100 and verdicts[-2] and verdicts[-1]
+    assert [jiter_accepts(t) for t in texts if t.isascii()] == [v for t, v in zip(texts, verdicts) if t.isascii()]
+    assert sum(verdicts) > 300 and verdicts[-1] and not any(verdicts[-4:-1])
+
+
+def test_surrogate_escapes_only_as_pairs_exhaustively() -> None:
+    """Every `\\uXXXX` escape (both cases of hex letters) is accepted alone exactly when it
+    is no surrogate; after a high surrogate escape exactly the low ones are."""
+    automaton = JsonAutomaton()
+    in_string = automaton.walk(automaton.start, b'{"a":"')
+
+    def accepted(escapes: list[bytes]) -> np.ndarray:
+        tokens = [e + b'"}' for e in escapes]
+        table = np.array([list(t) for t in tokens], dtype=np.uint8)  # (all of one length)
+        ends = automaton.walk_tokens(in_string, table, np.full(len(tokens), table.shape[1]))
+        return np.array([automaton.is_accepting(int(e)) for e in ends])
+
+    units = np.arange(0x10000)
+    for spell in ("\\u%04x", "\\u%04X"):
+        singles = accepted([(spell % u).encode() for u in units])
+        assert np.array_equal(singles, (units < 0xD800) | (units > 0xDFFF))
+        for high in (0xD800, 0xD83D, 0xDBFF):
+            pairs = accepted([(spell % high + spell % u).encode() for u in units])
+            assert np.array_equal(pairs, (units >= 0xDC00) & (units <= 0xDFFF))
+    rng = random.Random(5)
+    for first, second in [(rng.randrange(0x10000), rng.randrange(0xD800, 0xE000)) for _ in range(300)]:
+        text = b'{"a":"\\u%04x\\u%04x"}' % (first, second)
+        assert accepts(automaton, text) == oracle(text) == jiter_accepts(text), text
+
+
+def random_walk(automaton: JsonAutomaton, rng: random.Random, steps: int, memo: dict[int, bytes]) -> bytes:
+    """Up to `steps` random live bytes from the start, each step choosing uniformly among
+    the distinct successor states (so that a closing quote is as likely as the 90-odd
+    ASCII bytes that stay in the string) and then a byte leading there; then the shortest
+    way `completion` finds to an accepting state."""
+    byte_tokens = np.arange(256, dtype=np.uint8).reshape(256, 1)
+    ones = np.ones(256, dtype=np.int64)
+    state, text = automaton.start, bytearray()
+    for _ in range(steps):
+        successors = automaton.walk_tokens(state, byte_tokens, ones)
+        choices = sorted(set(successors.tolist()) - {DEAD})
+        if not choices:
+            break
+        state = rng.choice(choices)
+        text.append(rng.choice(np.flatnonzero(successors == state).tolist()))
+    return bytes(text) + completion(automaton, state, memo)
+
+
+@pytest.mark.parametrize("top_level_object", [True, False])
+def test_random_walks_are_valid_for_strict_parsers(top_level_object: bool) -> None:
+    """Texts from random walks through the automaton (thousands, seeded): each one is valid
+    UTF-8 that json.loads reads without a lone surrogate, that jiter reads, and that a
+    pydantic model of any JSON (any object) validates."""
+    automaton, memo, rng = JsonAutomaton(top_level_object), {}, random.Random(23 + top_level_object)
+    model = pydantic.TypeAdapter(dict[str, Any] if top_level_object else Any)
+    pairs = 0
+    for _ in range(1500):
+        text = random_walk(automaton, rng, rng.choice([5, 20, 60, 200, 400]), memo)
+        assert automaton.is_accepting(automaton.walk(automaton.start, text)), text
+        assert oracle(text, top_level_object), text
+        assert jiter_accepts(text), text
+        model.validate_json(text)
+        pairs += re.search(rb"\\u[dD][89abAB]", text) is not None
+    assert pairs > 15  # (the walks do reach surrogate pair escapes)
 
 
 def test_walk_tokens_matches_walk() -> None:
