@@ -182,7 +182,7 @@ def corpus(seed: int, top_level_object: bool, any_whitespace: bool, documents: i
 
 # ---- liveness ----------------------------------------------------------------------------
 # Bytes that can finish any JSON prefix: closers, a quote, a digit, the colon, the letters of
-# the literals and of a one-letter escape, the `\\` and `d` of a low surrogate escape due, one
+# the literals and of a one-letter escape, the `\` and `d` of a low surrogate escape due, one
 # continuation byte from each UTF-8 range, and last (so that it is tried only where nothing
 # else will do) the brace a text must open with.
 _FINISHERS = b'}]":0' + b"nulraes" + b"\\d" + bytes([0x80, 0x90, 0xA0]) + b"{"

@@ -1,12 +1,19 @@
 """Tests for `hybrid_engine.structured.json_schema`: the regex of a schema, checked with
 Python's `re.fullmatch` (same dialect under `re.ASCII`) against JSON texts written several
 ways, plus the engine's own regex compiler for the dialect."""
+import datetime
+import importlib.util
+import ipaddress
 import itertools
 import json
 import random
 import re
+import uuid
 from decimal import Decimal
+from typing import Literal, Optional
 
+import pydantic
+import pydantic_core
 import pytest
 
 from hybrid_engine.structured import json_schema
@@ -17,6 +24,7 @@ from hybrid_engine.structured.json_schema import (
     json_schema_regex,
 )
 from hybrid_engine.structured.regex import compile_regex
+from tests.structured.test_string_formats import random_texts
 
 
 def matches(schema: object, text: str, **options: bool) -> bool:
@@ -231,9 +239,16 @@ CASES = {
          "properties": {"at": {"type": "string", "format": "date-time"}, "t": {"type": "string", "format": "time"},
                         "ip": {"type": "string", "format": "ipv4"}, "mail": {"type": "string", "format": "email"}},
          "required": ["at", "t", "ip", "mail"]},
-        [{"at": "2024-06-30T23:59:60.25+05:30", "t": "00:00:00Z", "ip": "255.0.10.9",
-          "mail": "a.b+c@mail.example.org"}],
+        [{"at": "2024-06-30T23:59:59.25+05:30", "t": "00:00:00Z", "ip": "255.0.10.9",
+          "mail": "a.b+c@mail.example.org"},
+         {"at": "2000-02-29T00:00:00-23:59", "t": "23:59:59.999999+00:00", "ip": "0.0.0.0", "mail": "x@y.zw"}],
         ['{"at":"2024-06-30 23:59:59Z","t":"00:00:00Z","ip":"1.1.1.1","mail":"a@b.co"}',
+         '{"at":"2024-06-30T23:59:60Z","t":"00:00:00Z","ip":"1.1.1.1","mail":"a@b.co"}',
+         '{"at":"1900-02-29T23:59:59Z","t":"00:00:00Z","ip":"1.1.1.1","mail":"a@b.co"}',
+         '{"at":"2024-06-30T23:59:59z","t":"00:00:00Z","ip":"1.1.1.1","mail":"a@b.co"}',
+         '{"at":"2024-06-30T23:59:59Z","t":"00:00:00.1234567Z","ip":"1.1.1.1","mail":"a@b.co"}',
+         '{"at":"2024-06-30T23:59:59Z","t":"00:00:00Z","ip":"01.1.1.1","mail":"a@b.co"}',
+         '{"at":"2024-06-30T23:59:59Z","t":"00:00:00Z","ip":"1.1.1.1","mail":"a..b@b.co"}',
          '{"at":"2024-06-30T23:59:59Z","t":"24:00:00Z","ip":"1.1.1.1","mail":"a@b.co"}',
          '{"at":"2024-06-30T23:59:59Z","t":"00:00:00","ip":"1.1.1.1","mail":"a@b.co"}',
          '{"at":"2024-06-30T23:59:59Z","t":"00:00:00Z","ip":"256.1.1.1","mail":"a@b.co"}',
@@ -341,13 +356,103 @@ def test_whitespace_is_bounded_and_never_outside_the_value() -> None:
 
 
 def test_string_length_counts_characters_and_escapes_as_one() -> None:
+    """Code points, as JSON Schema and pydantic count them: a character, an escape and a
+    surrogate pair of escapes are one each."""
     schema = {"type": "string", "minLength": 2, "maxLength": 4}
-    for content in ("ab", "é\n\"\\", "\u4e2d\u6587", "a\u0001"):
+    for content in ("ab", "é\n\"\\", "\u4e2d\u6587", "a\u0001", "😀𝄞", "😀😀😀😀", "a\U0010ffff"):
         for text in (json.dumps(content), json.dumps(content, ensure_ascii=False)):
             assert matches(schema, text), text
+            assert 2 <= len(json.loads(text)) <= 4
     assert matches(schema, '"\\/\\b"') and matches(schema, '"\\uABCD\\u00e9"')
-    for text in ('"a"', '"abcde"', '"\\u00e9\\n\\t\\"\\\\"', '"\\x"', '"\\u12"', '"a\tb"'):
+    assert matches(schema, '"\\ud83d\\ude00\\uD834\\uDD1E\\uDBFF\\uDFFF\\ud800\\udc00"')  # four pairs
+    for text in ('"a"', '"abcde"', '"\\u00e9\\n\\t\\"\\\\"', '"\\x"', '"\\u12"', '"a\tb"', '"\\ud83d\\ude00"',
+                 json.dumps("😀" * 5), json.dumps("😀" * 5, ensure_ascii=False)):
         assert not matches(schema, text), text
+
+
+def test_surrogate_escapes_only_as_pairs() -> None:
+    """Every `\\uXXXX` alone (both cases of hex letters) matches exactly when it is no
+    surrogate, and after a high surrogate escape exactly a low one does: in Python's re and
+    in the engine's automaton; lone ones are what jiter refuses and json.loads reads."""
+    single = re.compile(json_schema_regex({"type": "string", "maxLength": 1}), re.ASCII)
+    string = json_schema_regex({"type": "string"})
+    any_string = compile_regex(string)
+    units = range(0x10000)
+    for spell in ("\\u%04x", "\\u%04X"):
+        assert [single.fullmatch(f'"{spell % u}"') is not None for u in units] == [
+            not 0xD800 <= u <= 0xDFFF for u in units]
+        for high in (0xD800, 0xDA12, 0xDBFF):
+            assert [single.fullmatch(f'"{spell % high}{spell % u}"') is not None for u in units] == [
+                0xDC00 <= u <= 0xDFFF for u in units]
+    rng = random.Random(8)
+    for _ in range(500):
+        text = '"' + "".join(rng.choice(["a", "\\ud83d", "\\ude00", "\\uDBFF", "\\udfff", "\\u0041", "\\n", "é"])
+                             for _ in range(rng.randint(1, 5))) + '"'
+        try:
+            pydantic_core.from_json(text)
+            strict = True
+        except ValueError:
+            strict = False
+        lone = any(0xD800 <= ord(c) <= 0xDFFF for c in json.loads(text))
+        assert lone != strict, text  # (json.loads reads a lone one, jiter refuses exactly those)
+        assert (re.fullmatch(string, text, re.ASCII) is not None) == strict, text
+        assert any_string.is_accepting(any_string.walk(any_string.start, text.encode())) == strict, text
+    for schema in ({"type": "object", "additionalProperties": True}, {}):  # keys and free values too
+        assert matches(schema, '{"\\ud83d\\ude00":"\\uD800\\uDC00"}')
+        assert not matches(schema, '{"\\ud83d":1}') and not matches(schema, '{"a":["\\ude00"]}')
+
+
+class Address(pydantic.BaseModel):
+    street: str
+    zip: str = pydantic.Field(pattern=r"^[0-9]{5}$")
+    country: Optional[str] = None
+
+
+class Event(pydantic.BaseModel):
+    """A pydantic model of the kinds a user's schema has: formats, bounds, lengths, a
+    nested model by `$ref`, optional fields (anyOf with null), a map, a literal."""
+    id: uuid.UUID
+    title: str = pydantic.Field(min_length=1, max_length=8)
+    starts: datetime.datetime
+    day: datetime.date
+    at: datetime.time
+    host: ipaddress.IPv4Address
+    tags: list[str] = pydantic.Field(max_length=3)
+    seats: int = pydantic.Field(ge=0, le=1000)
+    price: float = pydantic.Field(gt=0, le=99.5)
+    score: float
+    public: bool
+    note: Optional[str] = None
+    address: Address
+    extra: dict[str, int] = {}
+    kind: Literal["talk", "workshop"]
+
+
+def test_random_texts_of_pydantic_schemas_validate_with_pydantic() -> None:
+    """Thousands of texts from seeded random walks through the engine's automaton of a
+    pydantic model's own JSON schema: `model_validate_json` accepts each one (lax and
+    strict), and EmailStr too where email-validator is installed."""
+    models: list[type[pydantic.BaseModel]] = [Event, Address]
+    if importlib.util.find_spec("email_validator") is not None:  # (EmailStr needs it)
+        models.append(pydantic.create_model("Contact", email=(pydantic.EmailStr, ...), alt=(list[pydantic.EmailStr], [])))
+    pairs = 0
+    for seed, model in enumerate(models):
+        automaton = compile_regex(json_schema_regex(model.model_json_schema()))
+        for text in random_texts(automaton, seed=seed, count=1500, stop=0.5, max_bytes=2000):
+            for strict in (False, True):
+                model.model_validate_json(text, strict=strict)
+            pairs += re.search(r"\\u[dD][89abAB]", text) is not None
+    assert pairs > 20  # (the walks do write surrogate pairs)
+
+
+def test_lone_surrogates_in_keys_and_literals_are_refused() -> None:
+    """A schema string (read from JSON with a lone surrogate escape) has no valid spelling."""
+    for schema in ({"enum": ["ok", "\ud800"]}, {"const": "a\udc00"},
+                   {"type": "object", "properties": {"\udbff": {}}},
+                   {"type": "object", "required": ["\udfff"], "additionalProperties": True}):
+        with pytest.raises(ValueError, match="json_schema: .*lone surrogate"):
+            json_schema_regex(schema)
+    assert matches({"enum": ["😀"]}, '"😀"') and not matches({"enum": ["😀"]}, '"\\ud83d\\ude00"')
 
 
 def test_pattern_is_matched_against_the_raw_characters() -> None:
@@ -563,7 +668,7 @@ def test_bounded_number_regex_size_is_linear_in_the_digits() -> None:
 
 
 def test_regex_sizes_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert len(json_schema_regex({})) < 20_000
+    assert len(json_schema_regex({})) < 32_000  # (30k: strings spell surrogate pairs)
     sizes = []
     for depth in range(MAX_ANY_DEPTH + 1):
         monkeypatch.setattr(json_schema, "MAX_ANY_DEPTH", depth)

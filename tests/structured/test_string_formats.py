@@ -52,16 +52,17 @@ def random_texts(automaton: ByteAutomaton, seed: int, count: int, stop: float = 
     29 of a leap year, is as likely as the common one beside it) and then a byte leading
     there; at an accepting state the walk stops with probability `stop`, and past
     `max_bytes` it takes the shortest way to accept. Every text must be valid UTF-8."""
-    rng, texts = random.Random(seed), []
+    rng, texts, moves = random.Random(seed), [], {}  # moves: state -> [(successor, its bytes)]
     for _ in range(count):
         state, text = automaton.start, bytearray()
         while len(text) < max_bytes:
-            row = successors(automaton, state)
-            live = sorted(set(row.tolist()) - {DEAD})
-            if not live or (automaton.is_accepting(state) and rng.random() < stop):
+            if state not in moves:
+                row = successors(automaton, state)
+                moves[state] = [(s, np.flatnonzero(row == s).tolist()) for s in sorted(set(row.tolist()) - {DEAD})]
+            if not moves[state] or (automaton.is_accepting(state) and rng.random() < stop):
                 break
-            state = rng.choice(live)
-            text.append(rng.choice(np.flatnonzero(row == state).tolist()))
+            state, byte_values = rng.choice(moves[state])
+            text.append(rng.choice(byte_values))
         text += finish(automaton, state)
         assert automaton.is_accepting(automaton.walk(automaton.start, bytes(text))), bytes(text)
         texts.append(bytes(text).decode("utf-8"))
@@ -325,7 +326,7 @@ def test_emails_match_exactly_the_rule() -> None:
             text = text[:i] + rng.choice(".-@a") + text[i + rng.randint(0, 1):]
         assert matches("email", text) == email_rule(text), text
         count += email_rule(text)
-    assert 2_000 < count < 18_000
+    assert 1_500 < count < 18_500  # both verdicts common
     for text in ["a@b", "a@b.c", "a@b.c1", "a@-b.co", "a@b-.co", "a@ab--c.co", "a@xn--p1ai.co", ".a@b.co",
                  "a.@b.co", "a..b@b.co", "a@b..co", "\"a\"@b.co", "a@[1.2.3.4]", "a@b.co.", "a" * 65 + "@b.co",
                  "a@" + "b" * 64 + ".co", "a@b." + "c" * 64, "é@b.co", "a@é.co"]:
