@@ -64,6 +64,17 @@ def invalid_input(exc: ValueError) -> APIError:
     return APIError(message)
 
 
+# Request fields of older vLLM releases, with what replaces them here (as in vLLM now).
+_RENAMED = {
+    "guided_json": 'use structured_outputs: {"json": schema}',
+    "guided_regex": 'use structured_outputs: {"regex": pattern}',
+    "guided_choice": 'use structured_outputs: {"choice": [...]}',
+    "guided_grammar": "grammars other than JSON schema, regex and choice are not supported",
+    "guided_decoding_backend": "structured outputs have one backend here: leave it out",
+    "guided_whitespace_pattern": 'use structured_outputs: {"disable_any_whitespace": true} or leave it out',
+}
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     """Turn pydantic's first complaint into one readable 400 naming the parameter."""
     errors = exc.errors()
@@ -83,7 +94,9 @@ def validation_error(exc: RequestValidationError) -> APIError:
             return APIError("request body is missing: send a JSON object", code="invalid_json")
         return APIError(f"missing required parameter: {param!r}", param=param, code="missing_required_parameter")
     if kind == "extra_forbidden":
-        return APIError(f"unrecognized request argument supplied: {param}", param=param, code="unknown_parameter")
+        hint = _RENAMED.get(param)
+        return APIError(f"unrecognized request argument supplied: {param}" + (f" ({hint})" if hint else ""),
+                        param=param, code="unknown_parameter")
     if kind.endswith(_TYPE_ERRORS):
         if param is None:
             return APIError("the request body must be a JSON object (sent with Content-Type: application/json)",

@@ -38,6 +38,7 @@ from hybrid_engine.server.engine_core import QueueFull
 from hybrid_engine.server.errors import RATE_LIMIT, SERVER_ERROR, APIError, clipped, invalid_input
 from hybrid_engine.server.protocol import (ChatCompletionResponse, CompletionResponse, PromptTokensDetails,
                                            SamplingRequest, UsageInfo)
+from hybrid_engine.server.tool_calls import user_schema_path
 from hybrid_engine.structured.grammar import check_grammar
 from hybrid_engine.tokenizer import TokenBytes
 
@@ -391,11 +392,13 @@ class OpenAIServing(Generic[Body]):
 
 def check_structured_outputs(request: SamplingRequest, params: StructuredOutputsParams) -> None:
     """A request's grammar compiles (`check_grammar`), else a ParameterError naming the field
-    the client sent it in (`SamplingRequest.grammar_field`)."""
+    the client sent it in (`SamplingRequest.grammar_field`), and for a forced tool call the
+    path inside the tool's parameters."""
     try:
         check_grammar(params)
     except ParameterError as error:
         param = request.grammar_field
         if param is None:
             raise
-        raise ParameterError(param, str(error).replace(error.param, param, 1)) from None
+        message = str(error).replace(error.param, param, 1)
+        raise ParameterError(param, user_schema_path(message) if param == "tool_choice" else message) from None

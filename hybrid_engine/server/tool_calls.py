@@ -179,6 +179,15 @@ def forced_call_schema(tools: list[dict[str, Any]], name: str | None) -> dict[st
          "required": ["name", "parameters"]} for i, tool in enumerate(tools)]}}
 
 
+def user_schema_path(message: str) -> str:
+    """A grammar error's message about `forced_call_schema`'s list schema, with its paths
+    ("$.$defs.tool0.properties.n") as the request spells them
+    ("tools[0].function.parameters.properties.n")."""
+    return re.sub(r"\$\.\$defs\.tool(\d+)(?:\.(\$defs|definitions)\.)?",
+                  lambda m: f"tools[{m.group(1)}].function.parameters" + (f".{m.group(2)}." if m.group(2) else ""),
+                  message)
+
+
 def _rebased(schema: Any, tool: int) -> Any:
     """`schema` (part of tool `tool`'s parameters) with its `$ref`s into the parameters
     ("#", "#/$defs/NAME", "#/definitions/NAME") pointing where `forced_call_schema` puts them."""

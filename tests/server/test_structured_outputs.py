@@ -190,3 +190,22 @@ def test_required_calls_of_tools_whose_parameters_refer_into_themselves(server: 
             else:
                 assert call["function"]["name"] == "chain" and chain_ok(arguments)
     assert finished >= 2
+
+
+def test_forced_call_errors_name_the_path_inside_the_tool(server: Server):
+    bad = {"type": "function", "function": {"name": "n", "parameters": {
+        "type": "object", "properties": {"k": {"type": "integer", "multipleOf": 3}}}}}
+    for choice in ("required", {"type": "function", "function": {"name": "n"}}):
+        r = httpx.post(f"{server.url}{CHAT}", json={"messages": USER, "tools": [WX, bad], "tool_choice": choice},
+                       timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+        where = "tools[1].function.parameters.properties.k" if choice == "required" else "$.properties.k"
+        assert f"'multipleOf' at {where}" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("field, value", [("guided_json", {"type": "object"}), ("guided_regex", "a+"),
+                                          ("guided_choice", ["a"])])
+def test_older_vllm_fields_point_to_structured_outputs(server: Server, field: str, value):
+    r = httpx.post(f"{server.url}{COMPLETIONS}", json={"prompt": "a", field: value}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
+    assert "structured_outputs" in r.json()["error"]["message"]
