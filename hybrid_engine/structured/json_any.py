@@ -20,9 +20,14 @@ object (any value with `top_level_object=False`), under these rules:
   not Unicode, and strict readers (pydantic's jiter) refuse it; so the byte that would
   leave one is rejected (a low escape first, or anything but the low escape after a
   high one).
-- Numbers: `-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?` with at most
-  `MAX_NUMBER_DIGITS` digits in each of the three parts, so no number runs forever. A
-  number at top level (`top_level_object=False`) accepts yet can continue with a digit.
+- Numbers: `-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?` within the digit caps that
+  `structured.number_range` states for every grammar: at most `MAX_INTEGER_DIGITS` (20)
+  digits before the point, `MAX_FRACTION_DIGITS` (20) after it and `MAX_EXPONENT_DIGITS`
+  (2) in the exponent. So |value| < 10^20 * 10^99: every number parses to a finite double
+  (`1e400` would be `inf`, which `json.dumps` writes as `Infinity` and pydantic's
+  `allow_inf_nan=False` refuses), every integer to an int far below Python's 4,300-digit
+  limit, and no number runs forever. A number at top level (`top_level_object=False`)
+  accepts yet can continue with a digit while a cap leaves room.
 - Literals: `true`, `false`, `null`.
 
 A state is a pushdown configuration interned as a hashable tuple whose first two fields
@@ -35,10 +40,10 @@ a walk reaches are ever created.
 import numpy as np
 
 from hybrid_engine.structured.automaton import DEAD, ByteAutomaton
+from hybrid_engine.structured.number_range import MAX_EXPONENT_DIGITS, MAX_FRACTION_DIGITS, MAX_INTEGER_DIGITS
 
 MAX_DEPTH = 128  # containers open at once, the top-level one included
 MAX_WHITESPACE = 16  # bytes in one run of whitespace between two tokens
-MAX_NUMBER_DIGITS = 32  # digits in each of a number's integer, fraction and exponent parts
 
 
 def _byte_set(chars: str) -> np.ndarray:
@@ -92,7 +97,8 @@ _LOW_START = (_byte_set("\\"), _byte_set("u"), _D, _byte_set("cdefCDEF"))  # `\u
 # A _NUMBER state's phase; the ones after a digit end a complete number.
 _MINUS, _ZERO, _INT, _DOT, _FRACTION, _EXP, _EXP_SIGN, _EXP_DIGITS = range(8)
 _NUMBER_ENDS = (_ZERO, _INT, _FRACTION, _EXP_DIGITS)
-_COUNTED = (_INT, _FRACTION, _EXP_DIGITS)  # the phases that count their digits
+# The phases that count their digits, and the cap on each (the `number_range` caps).
+_DIGIT_CAPS = {_INT: MAX_INTEGER_DIGITS, _FRACTION: MAX_FRACTION_DIGITS, _EXP_DIGITS: MAX_EXPONENT_DIGITS}
 
 
 class JsonAutomaton(ByteAutomaton):
@@ -220,7 +226,7 @@ class JsonAutomaton(ByteAutomaton):
         if phase == _MINUS:
             row[ord("0")] = self._intern((_NUMBER, stack, _ZERO, 0))
             row[_NONZERO_DIGITS] = self._intern((_NUMBER, stack, _INT, 1))
-        elif phase in _COUNTED and digits < MAX_NUMBER_DIGITS:
+        elif phase in _DIGIT_CAPS and digits < _DIGIT_CAPS[phase]:
             row[_DIGITS] = self._intern((_NUMBER, stack, phase, digits + 1))
         elif phase == _DOT:
             row[_DIGITS] = self._intern((_NUMBER, stack, _FRACTION, 1))

@@ -33,14 +33,23 @@ Strings: any Unicode except `"`, `\\` and U+0000..U+001F, or the escapes `\\" \\
   dates, no leap second; what pydantic and Python's parsers accept). `pattern`, `format`
   and length bounds do not combine.
 Numbers: "integer" is `-?(0|[1-9][0-9]*)` (no `1.0`, no exponent, no `-0`); "number" is
-  any JSON number. Bounds (`minimum`/`maximum`/`exclusiveMinimum`/`exclusiveMaximum`) are
-  exact for both: exactly the texts whose value is within them match. A bounded "number"
-  is written without an exponent, as `-?(0|[1-9][0-9]*)(\\.[0-9]+)?` (trailing fraction
-  zeros allowed: `0.50`), and a zero value without a `-` (no `-0`, no `-0.0`). A bound is
-  the decimal its shortest repr spells (`0.1` is 1/10, not the nearest binary float;
-  `1e-3` is 1/1000); a minimum and an exclusiveMinimum together: the tighter applies
-  (likewise the maximums); bounds that no value meets raise ValueError. The regex is
-  linear in the bounds' digits (see `structured.number_range`).
+  any JSON number; both within the digit caps of `structured.number_range`, which states
+  them for every grammar: `MAX_INTEGER_DIGITS` (20) digits before the point,
+  `MAX_FRACTION_DIGITS` (20) after it, `MAX_EXPONENT_DIGITS` (2) in the exponent, so that
+  each number parses to a finite double (`1e400` would be `inf`) and a readable int, and a
+  model cannot write digits forever. An unbounded "integer" is `0|-?[1-9][0-9]{0,19}`;
+  |value| < 10^20 bounds the side a range leaves open (`minimum: 0` is 0..10^20 - 1) and
+  clips a bound beyond it. Bounds (`minimum`/`maximum`/`exclusiveMinimum`/
+  `exclusiveMaximum`) are exact for both: exactly the texts within the caps whose value is
+  within them match; a bound with more fraction digits than the cap is never crossed (the
+  values nearest it are the ones lost). A bounded "number" is written without an exponent,
+  as `-?(0|[1-9][0-9]*)(\\.[0-9]+)?` (trailing fraction zeros allowed: `0.50`), and a zero
+  value without a `-` (no `-0`, no `-0.0`). A bound is the decimal its shortest repr spells
+  (`0.1` is 1/10, not the nearest binary float; `1e-3` is 1/1000); a minimum and an
+  exclusiveMinimum together: the tighter applies (likewise the maximums); bounds that leave
+  no value within the caps (also 1e-30..2e-30 for a "number", a minimum of 1e30) raise
+  ValueError. `enum`/`const` numbers are written as the schema's values are, caps aside.
+  A bounded number's regex is at most a few thousand NFA states (`structured.number_range`).
 Arrays: all `prefixItems` are present, in order; then items of `items`, if given (else a
   tuple is closed, as objects are). `{"type": "array"}` with neither: any array.
   `minItems`/`maxItems` become counted repeats that the regex compiler expands, so a large
@@ -70,7 +79,15 @@ from collections.abc import Callable
 from decimal import Decimal
 from functools import partial
 
-from hybrid_engine.structured.number_range import Bound, decimal_range, integer_range
+from hybrid_engine.structured.number_range import (
+    ANY_INTEGER,
+    ANY_NUMBER,
+    MAX_FRACTION_DIGITS,
+    MAX_INTEGER_DIGITS,
+    Bound,
+    decimal_range,
+    integer_range,
+)
 from hybrid_engine.structured.string_formats import FORMATS
 
 # Greedy decoding can repeat a whitespace token forever; a bounded run stops that, and 16
@@ -78,8 +95,9 @@ from hybrid_engine.structured.string_formats import FORMATS
 MAX_WHITESPACE = 16
 # A regex cannot match brackets, so free-form nesting is unrolled level by level, and each
 # level holds the one below 4 times (an object's first and further values, an array's).
-# Measured for `{}`: depth 3 is 30k characters (26k NFA states in `structured.regex`),
-# depth 4 is 122k (105k states, over half of its 200k budget for a single free-form field).
+# Measured for `{}`: depth 3 is 32k characters (35k NFA states in `structured.regex`, the
+# digit-capped numbers' counted repeats expanded), depth 4 is 127k (143k states, over two
+# thirds of its 200k budget for a single free-form field).
 MAX_ANY_DEPTH = 3
 MAX_REF_DEPTH = 3  # expansions of one $ref inside itself before recursion is cut off
 
@@ -105,8 +123,6 @@ _U_ESCAPE = (r"\\u(?:[0-9a-cA-Ce-fE-F][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2}"
              r"|[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2})")
 _STRING_CHAR = rf'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|{_U_ESCAPE})'
 _STRING = f'"{_STRING_CHAR}*"'
-_INTEGER = "-?(?:0|[1-9][0-9]*)"
-_NUMBER = _INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
 _METACHARACTERS = frozenset("\\.^$*+?()[]{}|")
 
 
@@ -289,7 +305,7 @@ class _Builder:
     def any_value(self, depth: int) -> str:
         """Any JSON value with at most `depth` levels of nested objects/arrays."""
         if depth not in self.any_cache:
-            kinds = [_STRING, _NUMBER, "true", "false", "null"]
+            kinds = [_STRING, ANY_NUMBER, "true", "false", "null"]
             if depth > 0:
                 inner = partial(self.any_value, depth - 1)
                 kinds += [self.object_regex([], inner), self.array_regex([], inner(), 0, None)]
@@ -432,24 +448,27 @@ class _Builder:
         return lower, upper
 
     def integer(self, schema: dict, path: str) -> str:
-        """An integer, within its bounds if it has any."""
+        """An integer within the digit cap, and within its bounds if it has any."""
         lower, upper = self.bounds(schema, path)
         if lower is None and upper is None:
-            return _INTEGER
+            return ANY_INTEGER
         lo = None if lower is None else math.floor(lower.value) + 1 if lower.exclusive else math.ceil(lower.value)
         hi = None if upper is None else math.ceil(upper.value) - 1 if upper.exclusive else math.floor(upper.value)
-        if lo is not None and hi is not None and lo > hi:
-            raise _fail(f"the bounds at {path} leave no integer")
-        return integer_range(lo, hi)
+        regex = integer_range(lo, hi)
+        if regex is None:
+            raise _fail(f"the bounds at {path} leave no integer of at most {MAX_INTEGER_DIGITS} digits")
+        return regex
 
     def number(self, schema: dict, path: str) -> str:
-        """Any JSON number, or one without exponent within its bounds if it has any."""
+        """Any JSON number within the digit caps, or one without exponent within its bounds
+        if it has any."""
         lower, upper = self.bounds(schema, path)
         if lower is None and upper is None:
-            return _NUMBER
+            return ANY_NUMBER
         regex = decimal_range(lower, upper)
         if regex is None:
-            raise _fail(f"the bounds at {path} leave no number")
+            raise _fail(f"the bounds at {path} leave no number of at most {MAX_INTEGER_DIGITS} integer "
+                        f"and {MAX_FRACTION_DIGITS} fraction digits")
         return regex
 
     def count(self, schema: dict, keyword: str, path: str) -> int | None:

@@ -13,13 +13,18 @@ import pytest
 from pydantic_core import from_json
 
 from hybrid_engine.structured.automaton import DEAD
-from hybrid_engine.structured.json_any import MAX_DEPTH, MAX_NUMBER_DIGITS, MAX_WHITESPACE, JsonAutomaton
+from hybrid_engine.structured.json_any import MAX_DEPTH, MAX_WHITESPACE, JsonAutomaton
+from hybrid_engine.structured.number_range import MAX_EXPONENT_DIGITS, MAX_FRACTION_DIGITS, MAX_INTEGER_DIGITS
+from tests.structured.test_number_range import AT_THE_CAPS, check_number, greedy_walks, numbers_in, parts
 
 # (top_level_object, any_whitespace)
 CONFIGS = [(True, True), (False, True), (True, False)]
 _WHITESPACE = " \t\n\r"
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 _STRING_OR_PUNCTUATION = re.compile(r'"(?:[^"\\]|\\.)*"|[{}\[\],:]')
+_NUMBER = re.compile(r"-?([0-9]+)(?:\.([0-9]+))?(?:[eE][+-]?([0-9]+))?")
+# The digit caps of a number's integer, fraction and exponent parts (`number_range`'s).
+CAPS = {"integer": MAX_INTEGER_DIGITS, "fraction": MAX_FRACTION_DIGITS, "exponent": MAX_EXPONENT_DIGITS}
 
 
 def _reject_constant(name: str) -> NoReturn:
@@ -29,8 +34,8 @@ def _reject_constant(name: str) -> NoReturn:
 def obeys_bounds(text: str, value: object, top_level_object: bool, any_whitespace: bool) -> bool:
     """The rules JsonAutomaton adds to a text json.loads accepted: the top-level value is an
     object (if asked), no whitespace before or after it, no whitespace run over
-    MAX_WHITESPACE (none at all without any_whitespace), no digit run of a number over
-    MAX_NUMBER_DIGITS, and no more than MAX_DEPTH containers open at once."""
+    MAX_WHITESPACE (none at all without any_whitespace), no number with more digits in a
+    part than its cap in CAPS, and no more than MAX_DEPTH containers open at once."""
     if top_level_object and not isinstance(value, dict):
         return False
     if text[0] in _WHITESPACE or text[-1] in _WHITESPACE:
@@ -41,8 +46,9 @@ def obeys_bounds(text: str, value: object, top_level_object: bool, any_whitespac
     runs = [len(run) for run in re.findall(r"[ \t\n\r]+", skeleton)]
     if runs and (not any_whitespace or max(runs) > MAX_WHITESPACE):
         return False
-    if any(len(run) > MAX_NUMBER_DIGITS for run in re.findall(r"[0-9]+", skeleton)):
-        return False
+    for number in _NUMBER.finditer(skeleton):
+        if any(len(digits or "") > cap for digits, cap in zip(number.groups(), CAPS.values())):
+            return False
     opened = np.cumsum([(c in "[{") - (c in "]}") for c in skeleton])
     return int(opened.max()) <= MAX_DEPTH
 
@@ -101,16 +107,18 @@ def random_string(rng: random.Random) -> str:
 
 
 def random_number(rng: random.Random) -> str:
-    """Number text of any JSON shape; a part's digit count sometimes sits at the bound."""
-    def digits(first: str = "0123456789") -> str:
-        n = rng.choice([1, 1, 1, 2, 3, 6, MAX_NUMBER_DIGITS] * 3 + [MAX_NUMBER_DIGITS + 1])
+    """Number text of any JSON shape; a part's digit count sometimes sits at its cap or one
+    past it (an exponent past it at times makes json.loads return inf)."""
+    def digits(part: str, first: str = "0123456789") -> str:
+        cap = CAPS[part]
+        n = rng.choice([1, 1, 1, 2, 3, 6, cap, cap] + [cap, cap + 1, cap + 1, cap + 2])
         return rng.choice(first) + "".join(rng.choice("0123456789") for _ in range(n - 1))
 
-    text = rng.choice(["", "-"]) + rng.choice(["0", digits("123456789")])
+    text = rng.choice(["", "-"]) + rng.choice(["0", digits("integer", "123456789")])
     if rng.random() < 0.4:
-        text += "." + digits()
+        text += "." + digits("fraction")
     if rng.random() < 0.4:
-        text += rng.choice("eE") + rng.choice(["", "+", "-"]) + digits()
+        text += rng.choice("eE") + rng.choice(["", "+", "-"]) + digits("exponent")
     return text
 
 
@@ -429,7 +437,8 @@ def random_walk(automaton: JsonAutomaton, rng: random.Random, steps: int, memo: 
 def test_random_walks_are_valid_for_strict_parsers(top_level_object: bool) -> None:
     """Texts from random walks through the automaton (thousands, seeded): each one is valid
     UTF-8 that json.loads reads without a lone surrogate, that jiter reads, and that a
-    pydantic model of any JSON (any object) validates."""
+    pydantic model of any JSON (any object) validates; every number in it is within the
+    caps and finite."""
     automaton, memo, rng = JsonAutomaton(top_level_object), {}, random.Random(23 + top_level_object)
     model = pydantic.TypeAdapter(dict[str, Any] if top_level_object else Any)
     pairs = 0
@@ -439,6 +448,8 @@ def test_random_walks_are_valid_for_strict_parsers(top_level_object: bool) -> No
         assert oracle(text, top_level_object), text
         assert jiter_accepts(text), text
         model.validate_json(text)
+        for number in numbers_in(text):
+            check_number(number)
         pairs += re.search(rb"\\u[dD][89abAB]", text) is not None
     assert pairs > 15  # (the walks do reach surrogate pair escapes)
 
@@ -505,16 +516,50 @@ def test_whitespace_bound_is_exact() -> None:
     assert strict.walk(strict.start, b'{"a":') != DEAD and strict.walk(strict.start, b'{"a": ') == DEAD
 
 
-@pytest.mark.parametrize("make", [lambda d: d, lambda d: b"-0." + d, lambda d: b"1e" + d, lambda d: b"1.5E-" + d])
-def test_number_digit_bound_is_exact(make: Callable[[bytes], bytes]) -> None:
-    """Each part of a number holds up to MAX_NUMBER_DIGITS digits; one more is DEAD."""
-    automaton = JsonAutomaton()
-    digits = b"9" * MAX_NUMBER_DIGITS
-    text = b'{"n":' + make(digits) + b"}"
+@pytest.mark.parametrize("part, make", [
+    ("integer", lambda d: d), ("integer", lambda d: b"-" + d), ("integer", lambda d: d + b".5e-3"),
+    ("fraction", lambda d: b"-0." + d), ("fraction", lambda d: b"1." + d + b"E+1"),
+    ("exponent", lambda d: b"1e" + d), ("exponent", lambda d: b"1.5E-" + d), ("exponent", lambda d: b"-0e+" + d),
+])
+def test_number_digit_caps_are_exact(part: str, make: Callable[[bytes], bytes]) -> None:
+    """Each part of a number holds up to its cap of digits; one more is DEAD, in an object
+    and alone (where at the cap a number accepts and cannot go on with a digit)."""
+    automaton, anything = JsonAutomaton(), JsonAutomaton(top_level_object=False)
+    number = make(b"9" * CAPS[part])
+    text = b'{"n":' + number + b"}"
     assert accepts(automaton, text) and oracle(text)
-    state = automaton.walk(automaton.start, text[:-1])
+    check_number(number.decode())
+    cut = len(b'{"n":') + number.rindex(b"9") + 1  # right after the cap's last digit
+    state = automaton.walk(automaton.start, text[:cut])
     assert state != DEAD and automaton.next_state(state, ord("0")) == DEAD
-    assert not oracle(text[:-1] + b"0}") and json.loads(text[:-1] + b"0}")
+    past = text[:cut] + b"0" + text[cut:]
+    assert not accepts(automaton, past) and not oracle(past) and json.loads(past)
+    alone = anything.walk(anything.start, text[len(b'{"n":'):cut])
+    assert anything.is_accepting(alone) and not any(anything.next_state(alone, b) != DEAD for b in b"0123456789")
+
+
+def test_numbers_at_and_past_the_caps() -> None:
+    """The texts at and just past each cap (`1e400`, `9e99999999`, a 21-digit integer part,
+    ...) are accepted exactly when they are within the caps, alone and in an object."""
+    anything, objects = JsonAutomaton(top_level_object=False), JsonAutomaton()
+    for text, capped in AT_THE_CAPS:
+        assert accepts(anything, text.encode()) == capped, text
+        assert accepts(objects, b'{"n":[' + text.encode() + b"]}") == capped, text
+
+
+@pytest.mark.parametrize("top_level_object", [True, False])
+def test_greedy_walks_write_only_numbers_consumers_read_exactly(top_level_object: bool) -> None:
+    """Random walks that favour digits, as greedy decoding may, reach every cap, and every
+    number they write is a finite float to json.loads, jiter and pydantic (an integer
+    exact); the whole text validates as pydantic's finite floats where it holds floats."""
+    automaton = JsonAutomaton(top_level_object)
+    longest = dict.fromkeys(CAPS, 0)
+    for text in greedy_walks(automaton, seed=31 + top_level_object, count=800, max_bytes=300):
+        assert jiter_accepts(text.encode()), text
+        for number in numbers_in(text):
+            check_number(number)
+            longest = {part: max(longest[part], len(digits)) for part, digits in zip(longest, parts(number))}
+    assert longest == CAPS, longest
 
 
 def test_top_level_values() -> None:

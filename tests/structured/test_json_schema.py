@@ -2,6 +2,7 @@
 Python's `re.fullmatch` (same dialect under `re.ASCII`) against JSON texts written several
 ways, plus the engine's own regex compiler for the dialect."""
 import datetime
+import decimal
 import importlib.util
 import ipaddress
 import itertools
@@ -10,7 +11,7 @@ import random
 import re
 import uuid
 from decimal import Decimal
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import pydantic
 import pydantic_core
@@ -23,7 +24,9 @@ from hybrid_engine.structured.json_schema import (
     MAX_WHITESPACE,
     json_schema_regex,
 )
+from hybrid_engine.structured.number_range import MAX_EXPONENT_DIGITS, MAX_FRACTION_DIGITS, MAX_INTEGER_DIGITS
 from hybrid_engine.structured.regex import compile_regex
+from tests.structured.test_number_range import AT_THE_CAPS, check_number, greedy_walks, numbers_in, parts
 from tests.structured.test_string_formats import random_texts
 
 
@@ -496,20 +499,22 @@ def test_random_integer_ranges_property() -> None:
         points = set(range(lo - 25, lo + 25)) | set(range(hi - 25, hi + 25))
         points |= {rng.randint(-10 * scale - 10, 10 * scale + 10) for _ in range(60)}
         points |= {10**k + d for k in range(8) for d in (-1, 0)} | {-(10**k) - d for k in range(8) for d in (-1, 0)}
+        points |= {s * (10**MAX_INTEGER_DIGITS + d) for s in (1, -1) for d in (-2, -1, 0, 1)}  # the cap
         for n in points:
-            inside = (shape == "max" or n >= lo) and (shape == "min" or n <= hi)
+            inside = (shape == "max" or n >= lo) and (shape == "min" or n <= hi) and abs(n) < 10**MAX_INTEGER_DIGITS
             assert (regex.fullmatch(str(n)) is not None) == inside, (schema, n)
 
 
 # ---- bounded numbers ---------------------------------------------------------------------
-# The documented form of a bounded "number": no exponent, no leading zeros.
-BOUNDED_FORM = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?")
+# The documented form of a bounded "number": no exponent, no leading zeros, the digit caps.
+BOUNDED_FORM = re.compile(rf"-?(?:0|[1-9][0-9]{{0,{MAX_INTEGER_DIGITS - 1}}})(?:\.[0-9]{{1,{MAX_FRACTION_DIGITS}}})?")
 LOWER, UPPER = ("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")
 
 
 def within(text: str, bounds: dict[str, str]) -> bool:
-    """The oracle: `text` is in the bounded form, is not a `-` before a zero value, and its
-    exact value meets every bound (given as the decimal text of the JSON number)."""
+    """The oracle: `text` is in the bounded form within the digit caps, is not a `-` before
+    a zero value, and its exact value meets every bound (given as the decimal text of the
+    JSON number)."""
     if BOUNDED_FORM.fullmatch(text) is None:
         return False
     value = Decimal(text)
@@ -533,9 +538,12 @@ def bounded(bounds: dict[str, str], **schema: object) -> dict:
 
 
 def random_decimal_text(rng: random.Random) -> str:
-    """A JSON number text without exponent: integral, with a fraction, small, or a classic."""
+    """A JSON number text without exponent: integral, with a fraction, small, a classic, or
+    a float's full 17 digits (written out, past the fraction cap when it is small)."""
     sign = rng.choice(["", "-"])
-    kind = rng.choice(["integer", "fraction", "small", "classic"])
+    kind = rng.choice(["integer", "fraction", "small", "classic", "integer", "fraction", "small", "classic", "long"])
+    if kind == "long":  # (the shortest repr of a float, so the bound a client sends)
+        return sign + format(Decimal(repr(rng.random() * 10.0 ** rng.randint(-7, 3))), "f")
     if kind == "integer":
         return sign + str(rng.randint(0, 10 ** rng.randint(0, 4)))
     if kind == "fraction":
@@ -553,6 +561,12 @@ def spellings(value: Decimal) -> list[str]:
     return texts + ["-" + t for t in texts if value == 0 and not t.startswith("-")]
 
 
+PRECISE = decimal.Context(prec=100)
+TOP = 10**MAX_INTEGER_DIGITS
+AT_THE_CAP = {text for magnitude in (str(TOP - 1), str(TOP), f"{TOP - 1}.{'9' * MAX_FRACTION_DIGITS}", f"{TOP}.0",
+                                     f"0.{'0' * (MAX_FRACTION_DIGITS - 1)}1", f"0.{'0' * MAX_FRACTION_DIGITS}1",
+                                     f"0.{'0' * MAX_FRACTION_DIGITS}", f"1.{'0' * MAX_FRACTION_DIGITS}")
+              for text in (magnitude, "-" + magnitude)}
 ALWAYS_TRIED = ["0", "-0", "0.0", "-0.0", "0.000", "-0.000", "1", "-1", "0.001", "-0.001", "0.5", "-0.5",
                 # exponents: never in the bounded form
                 "1e2", "1E-1", "0e0", "-1.5e0", "1e+0", "5E0", "0.0e0",
@@ -562,14 +576,18 @@ ALWAYS_TRIED = ["0", "-0", "0.0", "-0.0", "0.000", "-0.000", "1", "-1", "0.001",
 
 def candidates(rng: random.Random, bounds: dict[str, str]) -> set[str]:
     """Texts at, just beside and far from the bounds, plus the fixed tricky ones."""
-    texts = set(ALWAYS_TRIED)
+    texts = set(ALWAYS_TRIED) | AT_THE_CAP
+    ulp = Decimal(10) ** -MAX_FRACTION_DIGITS  # the finest step a text within the caps takes
     for bound in bounds.values():
         value = Decimal(bound)
         texts.add(bound)
         texts.add(f"{bound}e0")
-        for step in (0, 1, Decimal("0.1"), Decimal("0.01"), Decimal("0.001"), Decimal("1e-7")):
+        for step in (0, 1, Decimal("0.1"), Decimal("0.01"), Decimal("0.001"), Decimal("1e-7"), ulp, ulp / 10):
             for near in (value - step, value + step):
                 texts.update(spellings(near))
+        truncated = value.quantize(ulp, rounding=decimal.ROUND_DOWN, context=PRECISE)  # at the fraction cap
+        for near in (truncated - ulp, truncated, truncated + ulp):
+            texts.update(spellings(near))
         texts.update(spellings(value.to_integral_value()))
         texts.update(spellings(value.to_integral_value() + 1))
     for _ in range(25):
@@ -614,7 +632,8 @@ def test_bounded_number_examples() -> None:
         ({"maximum": 100.5}, ["100.5", "100.50", "-1000000", "100.49999", "99.99", "-0.5", "0"],
          ["100.51", "100.500001", "101", "1000", "1e2", "-0"]),
         # 0.1 is 1/10 (the float is above it), 1e-3 is 1/1000
-        ({"minimum": 0.1}, ["0.1", "0.10", "0.1000000000000000000001", "7"], ["0.0999999999999999999999", "0.09"]),
+        ({"minimum": 0.1}, ["0.1", "0.10", "0.10000000000000000001", "7"],
+         ["0.09999999999999999999", "0.09", "0.1000000000000000000001"]),  # (the last past the fraction cap)
         ({"exclusiveMaximum": 1e-3}, ["0.000999", "0.0009999999999", "-5", "0"], ["0.001", "0.0010", "0.0011"]),
         ({"minimum": -2.5, "exclusiveMinimum": -2.5}, ["-2.49", "0"], ["-2.5", "-2.50", "-3"]),  # the tighter
         ({"minimum": 3, "exclusiveMinimum": 2}, ["3", "3.0", "4"], ["2.5", "2.999"]),
@@ -631,7 +650,7 @@ def test_bounded_number_examples() -> None:
         for text in bad:
             assert not matches(schema, text), (bounds, text)
     assert matches({"minimum": 0}, "1.5") and not matches({"minimum": 0}, "-1.5")  # "number" inferred
-    for text in ("1e2", "-0", "-0.0", "1.5E-3"):  # no bound: any JSON number
+    for text in ("1e2", "-0", "-0.0", "1.5E-3"):  # no bound: any JSON number within the caps
         assert matches({"type": "number"}, text), text
 
 
@@ -653,22 +672,140 @@ def test_bounded_number_regex_compiles_for_the_engine(bounds: dict[str, str]) ->
         assert accepted == within(text, bounds), (bounds, text)
 
 
-def test_bounded_number_regex_size_is_linear_in_the_digits() -> None:
+def test_bounded_number_regex_size_is_bounded_by_the_caps() -> None:
     def size(low: object, high: object) -> int:
         regex = json_schema_regex({"type": "number", "minimum": low, "maximum": high})
         compile_regex(regex)  # within the engine's state and nesting budgets
         return len(regex)
 
-    # Float bounds have at most 17 significant digits; a run of zeros costs a counted repeat.
-    assert max(size(-1.2345678901234567 * 10.0**e, 9.876543210987654 * 10.0**e) for e in range(-300, 301, 25)) < 2_000
-    assert size(1e-300, 2e-300) < 200
-    # Integral bounds may have any number of digits.
-    sizes = [size(int("7" * digits), int("8" * digits) + 7) for digits in (20, 40, 80)]
-    assert all(later < 2.2 * earlier for earlier, later in zip(sizes, sizes[1:])), sizes
+    # Bounds are clipped to the integer cap and truncated to the fraction cap first, so no
+    # bound, however many digits it has, makes a regex larger than the caps do.
+    floats = [size(-1.2345678901234567 * 10.0**e, 9.876543210987654 * 10.0**e) for e in range(-300, 301, 25)]
+    integers = [size(int("7" * digits), int("8" * digits) + 7) for digits in (5, 10, MAX_INTEGER_DIGITS - 1)]
+    huge = [size(-int("7" * digits), int("8" * digits)) for digits in (30, 300, 4000)]
+    assert max(floats + integers + huge) < 2_000, (floats, integers, huge)
+    assert all(later < 2.2 * earlier for earlier, later in zip(integers, integers[1:])), integers  # linear
+    assert len(set(huge)) == 1  # (all clipped to the same range)
+
+
+# ---- digit caps ----------------------------------------------------------------------------
+def in_place(schema: dict, where: str, text: str) -> tuple[dict, str]:
+    """`schema` as a value alone, as array items, or as an object's property."""
+    if where == "alone":
+        return schema, text
+    if where == "items":
+        return {"type": "array", "items": schema}, f"[{text}, {text}]"
+    return {"type": "object", "properties": {"n": schema}, "required": ["n"]}, f'{{"n": {text}}}'
+
+
+@pytest.mark.parametrize("where", ["alone", "items", "property"])
+def test_unbounded_numbers_stay_within_the_digit_caps(where: str) -> None:
+    """Texts at each cap match, one digit past it does not (`1e400` and `9e99999999`, which
+    json.loads makes inf, among them): for "number", for any value (`{}` and free
+    containers), and for "integer" without and with a half-open range."""
+    free = {"alone": {}, "items": {"type": "array"}, "property": {"type": "object"}}[where]
+    numbers = [{"type": "number"}, {"type": ["number", "null"]}, {"anyOf": [{"type": "number"}, {"type": "string"}]}]
+    for text, capped in AT_THE_CAPS:
+        for schema in numbers:
+            assert matches(*in_place(schema, where, text)) == capped, (schema, text)
+        free_text = {"alone": text, "items": f"[{text}]", "property": f'{{"n": {text}}}'}[where]
+        assert matches(free, free_text) == capped, free_text
+        is_integer = capped and "." not in text and "e" not in text.lower() and text != "-0"
+        assert matches(*in_place({"type": "integer"}, where, text)) == is_integer, text
+        half_open = {"type": "integer", "minimum": 0}
+        assert matches(*in_place(half_open, where, text)) == (is_integer and not text.startswith("-")), text
+        half_open = {"type": "number", "maximum": 0}
+        assert matches(*in_place(half_open, where, text)) == within(text, {"maximum": "0"}), text
+
+
+def test_integer_bounds_past_the_cap_are_clipped() -> None:
+    top = 10**MAX_INTEGER_DIGITS - 1
+    for schema, inside, outside in [
+        ({"minimum": 0}, [0, 1, top], [-1, top + 1, 10**30]),
+        ({"exclusiveMaximum": -7}, [-8, -top], [-7, 0, -top - 1]),
+        ({"minimum": -1e30, "maximum": 1e30}, [top, -top, 0], [top + 1, -top - 1]),
+        ({"minimum": top - 1, "maximum": 10**400}, [top - 1, top], [top - 2, top + 1]),
+        ({"maximum": 1.5e300}, [top, -top], [top + 1, -top - 1]),
+    ]:
+        schema = {"type": "integer", **schema}
+        for n in inside:
+            assert matches(schema, str(n)), (schema, n)
+        for n in outside:
+            assert not matches(schema, str(n)), (schema, n)
+    for schema in ({"type": "integer", "minimum": top + 1}, {"type": "integer", "maximum": -1e20},
+                   {"type": "integer", "exclusiveMinimum": top}):
+        with pytest.raises(ValueError, match=rf"^json_schema: the bounds at \$ leave no integer of at most "
+                                             rf"{MAX_INTEGER_DIGITS} digits"):
+            json_schema_regex(schema)
+
+
+def test_number_bounds_past_the_caps() -> None:
+    """Bounds past the integer cap clip the range; bounds with more fraction digits than the
+    cap are never crossed; a range that no text within the caps reaches raises."""
+    top = 10**MAX_INTEGER_DIGITS
+    assert matches({"type": "number", "minimum": -1e300}, f"-{top - 1}.{'9' * MAX_FRACTION_DIGITS}")
+    assert not matches({"type": "number", "minimum": -1e300}, f"-{top}")
+    assert not matches({"type": "number", "maximum": 1e300}, f"{top}.0")
+    tiny = {"type": "number", "exclusiveMinimum": 1.2345678901234567e-05}  # 0.000012345678901234567: 21 digits
+    assert matches(tiny, "0.00001234567890123457") and matches(tiny, "1")
+    assert not matches(tiny, "0.00001234567890123456") and not matches(tiny, "0.000012345678901234567")
+    for schema in ({"type": "number", "minimum": 1e-30, "maximum": 2e-30}, {"type": "number", "minimum": 1e20},
+                   {"type": "number", "exclusiveMaximum": -1e25}, {"minimum": 1.2345678901234567e-05,
+                                                                   "maximum": 1.2345678901234568e-05}):
+        with pytest.raises(ValueError, match=r"^json_schema: the bounds at \$ leave no number of at most "):
+            json_schema_regex(schema)
+
+
+class Reading(pydantic.BaseModel):
+    """Numbers as tool arguments have them: free, bounded, half-open, integral, nested."""
+    model_config = pydantic.ConfigDict(allow_inf_nan=False)
+    value: float
+    finite: pydantic.FiniteFloat
+    count: int
+    positive: pydantic.PositiveFloat
+    ratio: float = pydantic.Field(ge=0, le=1)
+    kelvin: float = pydantic.Field(gt=-273.15)
+    seats: pydantic.NonNegativeInt
+    samples: list[float] = pydantic.Field(max_length=3)
+    extra: dict[str, Any]
+
+
+NUMBER_SCHEMAS = [
+    {"type": "number"}, {"type": "integer"}, {"type": "integer", "minimum": 0}, {"type": "integer", "exclusiveMaximum": -3},
+    {"type": "number", "minimum": 0}, {"type": "number", "exclusiveMinimum": 0}, {"type": "number", "maximum": -273.15},
+    {"type": "number", "exclusiveMinimum": 1.2345678901234567e-05}, {"type": "number", "minimum": -1e300, "maximum": 1e300},
+    {"type": "number", "exclusiveMinimum": 0.1, "maximum": 0.30000000000000004}, {},
+    {"type": "array", "items": {"type": "number"}, "maxItems": 3}, Reading.model_json_schema(),
+]
+
+
+@pytest.mark.parametrize("index", range(len(NUMBER_SCHEMAS)))
+def test_greedy_walks_write_only_numbers_consumers_read_exactly(index: int) -> None:
+    """Random walks through the engine's automaton that favour digits, as greedy decoding
+    may: every number they write is within the caps, a finite float to json.loads, jiter and
+    pydantic (an integer exact), and within the schema's bounds; the walks reach the caps."""
+    schema = NUMBER_SCHEMAS[index]
+    automaton = compile_regex(json_schema_regex(schema))
+    bounds = {k: schema[k] for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if k in schema}
+    longest = {"whole": 0, "fraction": 0, "exponent": 0}
+    for text in greedy_walks(automaton, seed=index, count=300, max_bytes=400):
+        for number in numbers_in(text):
+            check_number(number)
+            longest = {part: max(longest[part], len(digits)) for part, digits in zip(longest, parts(number))}
+        if bounds:
+            assert within(text, {k: repr(v) for k, v in bounds.items()}), (schema, text)
+        if schema is NUMBER_SCHEMAS[-1]:
+            Reading.model_validate_json(text, strict=True)
+    if len(bounds) < 2 or max(abs(v) for v in bounds.values()) >= 10**MAX_INTEGER_DIGITS:  # (a side open)
+        assert longest["whole"] == MAX_INTEGER_DIGITS, longest
+    if "number" in json.dumps(schema) or not schema:
+        assert longest["fraction"] == MAX_FRACTION_DIGITS, longest
+    if not bounds and schema.get("type") != "integer":
+        assert longest["exponent"] == MAX_EXPONENT_DIGITS, longest
 
 
 def test_regex_sizes_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert len(json_schema_regex({})) < 32_000  # (30k: strings spell surrogate pairs)
+    assert len(json_schema_regex({})) < 33_000  # (32k: strings spell surrogate pairs, numbers their caps)
     sizes = []
     for depth in range(MAX_ANY_DEPTH + 1):
         monkeypatch.setattr(json_schema, "MAX_ANY_DEPTH", depth)
