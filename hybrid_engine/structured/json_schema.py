@@ -64,7 +64,8 @@ References: `$ref` to `#`, `#/$defs/NAME` or `#/definitions/NAME`, resolved in t
   like a `false` subschema, is left out where the schema allows (optional property, anyOf
   branch, items beyond `minItems`, additional properties), else ValueError.
 Errors: annotations (title, description, $schema, $id, $comment, default, examples,
-  deprecated, readOnly, writeOnly) are ignored. Any other keyword (multipleOf, uniqueItems,
+  deprecated, readOnly, writeOnly, discriminator, contentEncoding, contentMediaType, and
+  any `x-` keyword) are ignored, as are the formats "password" and "binary" (any string). Any other keyword (multipleOf, uniqueItems,
   not, if, patternProperties, minProperties, contains, ...), a keyword beside `$ref`/
   `anyOf`/`oneOf`/`allOf`, a property name or `enum`/`const` string holding a lone
   surrogate, or a malformed value raises ValueError("json_schema: ...") naming
@@ -101,8 +102,17 @@ MAX_WHITESPACE = 16
 MAX_ANY_DEPTH = 3
 MAX_REF_DEPTH = 3  # expansions of one $ref inside itself before recursion is cut off
 
+# Keywords that constrain nothing (OpenAPI's `discriminator` too: the `oneOf` branches it
+# sits beside already decide), and `x-` extension keywords (pydantic's `json_schema_extra`).
 _ANNOTATIONS = frozenset({"title", "description", "$schema", "$id", "$comment", "default",
-                          "examples", "deprecated", "readOnly", "writeOnly"})
+                          "examples", "deprecated", "readOnly", "writeOnly", "discriminator",
+                          "contentEncoding", "contentMediaType"})
+# `format`s that name what a string is for without restricting it (pydantic's SecretStr, bytes).
+_FREE_FORMATS = frozenset({"password", "binary"})
+
+
+def _is_annotation(key: str) -> bool:
+    return key in _ANNOTATIONS or key.startswith("x-")
 _TYPE_KEYWORDS = {
     "object": frozenset({"properties", "required", "additionalProperties"}),
     "array": frozenset({"items", "prefixItems", "minItems", "maxItems"}),
@@ -176,7 +186,7 @@ def _literal(text: str) -> str:
 
 def _unconstrained(schema: object) -> bool:
     """Whether `schema` admits every value (`true`, or nothing but annotations)."""
-    return schema is True or (isinstance(schema, dict) and schema.keys() <= _ANNOTATIONS)
+    return schema is True or (isinstance(schema, dict) and all(_is_annotation(key) for key in schema))
 
 
 def _check_unicode(texts: list[str], what: str, path: str) -> None:
@@ -213,9 +223,9 @@ class _Builder:
         if not isinstance(schema, dict):
             raise _fail(f"the schema at {path} must be a JSON object or a boolean")
         for key in schema:
-            if key not in _KEYWORDS and key not in _ANNOTATIONS:
+            if key not in _KEYWORDS and not _is_annotation(key):
                 raise _fail(f"{key!r} at {path} is not supported")
-        constraints = set(schema) - _ANNOTATIONS - {"$defs", "definitions"}
+        constraints = {key for key in schema if not _is_annotation(key)} - {"$defs", "definitions"}
         for combinator in _COMBINATORS:
             if combinator in schema:
                 others = sorted(constraints - {combinator})
@@ -404,6 +414,8 @@ class _Builder:
 
     def string(self, schema: dict, path: str) -> str:
         """A string schema: `format`, `pattern`, or length bounds."""
+        if schema.get("format") in _FREE_FORMATS:
+            schema = {k: v for k, v in schema.items() if k != "format"}
         shaped = [k for k in ("format", "pattern") if k in schema]
         sized = [k for k in ("minLength", "maxLength") if k in schema]
         if len(shaped) + bool(sized) > 1:

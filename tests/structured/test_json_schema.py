@@ -887,3 +887,22 @@ def test_false_subschemas_and_cut_recursion_are_left_out_where_optional() -> Non
     assert matches(unsatisfiable, "{}") and not matches(unsatisfiable, '{"a":[]}')
     either = {"anyOf": [False, {"type": "null"}]}
     assert matches(either, "null") and not matches(either, "1")
+
+
+def test_what_only_annotates_is_ignored():
+    """pydantic's discriminated unions, `json_schema_extra` keys, SecretStr and bytes: the
+    same texts as without those keywords."""
+    pet = {"oneOf": [{"type": "object", "properties": {"kind": {"const": "cat"}}, "required": ["kind"]},
+                     {"type": "object", "properties": {"kind": {"const": "dog"}}, "required": ["kind"]}]}
+    cases = [
+        (dict(pet, discriminator={"propertyName": "kind", "mapping": {"cat": "#/a", "dog": "#/b"}}), pet),
+        ({"type": "integer", "x-unit": "kg", "x-order": 3}, {"type": "integer"}),
+        ({"type": "string", "format": "password", "writeOnly": True, "maxLength": 5},
+         {"type": "string", "maxLength": 5}),
+        ({"type": "string", "format": "binary", "contentMediaType": "image/png"}, {"type": "string"}),
+    ]
+    for annotated, plain in cases:
+        assert json_schema_regex(annotated) == json_schema_regex(plain)
+    assert re.fullmatch(json_schema_regex(cases[0][0]), '{"kind": "dog"}')
+    with pytest.raises(ValueError, match="'y-unit' at \\$ is not supported"):
+        json_schema_regex({"type": "integer", "y-unit": "kg"})  # (only `x-` keys are extensions)
