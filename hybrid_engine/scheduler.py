@@ -11,7 +11,7 @@ Every status change and every cursor of a `Request` is written here and nowhere 
 | PAUSED         | `schedule`: the block is free           | RUNNING          | row launched                         |
 | RUNNING/PAUSED | `schedule`: nothing fits (evict)        | WAITING          | frees all; recomputes prompt+output  |
 | RUNNING/PAUSED | `retire` a valid row                    | same/FINISHED    | state committed, sample appended,    |
-|                |                                         |                  | stop / EOS / grammar / length checked |
+|                |                                         |                  | stop/EOS/grammar/length checked      |
 | RUNNING/PAUSED | `retire` a verify row, `a` of D drafts  | same/FINISHED    | state after draft `a` committed; a+1 |
 |                | accepted                                |                  | samples appended one by one (stops   |
 |                |                                         |                  | checked each); cursors roll back D-a |
