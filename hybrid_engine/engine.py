@@ -456,10 +456,14 @@ class LLMEngine:
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
                                            stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
-        eos = frozenset() if params.ignore_eos else self.eos_token_ids
         seed = derived_seed if params.seed is None else params.seed
         text = prompt if isinstance(prompt, str) else None
-        return Request(request_id, text, ids, params, seed, eos, detok, grammar=self.start_grammar(params))
+        return Request(request_id, text, ids, params, seed, self._stop_ids(params), detok,
+                       grammar=self.start_grammar(params))
+
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The EOS ids that end a request (none with `ignore_eos`)."""
+        return frozenset() if params.ignore_eos else self.eos_token_ids
 
     def start_grammar(self, params: SamplingParams) -> GrammarState | None:
         """A request's place in its grammar before its first token (structured outputs;
@@ -467,8 +471,7 @@ class LLMEngine:
         or started on this model's vocabulary (the server checks this at admission)."""
         if params.structured_outputs is None:
             return None
-        eos = frozenset() if params.ignore_eos else self.eos_token_ids
-        return self._grammar_compiler().start(params.structured_outputs, eos)
+        return self._grammar_compiler().start(params.structured_outputs, self._stop_ids(params))
 
     def _grammar_compiler(self) -> GrammarCompiler:
         """The compiler of structured-output grammars over this model's vocabulary, made at
